@@ -1,0 +1,76 @@
+"""OpenAI response and stream-chunk shapes."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from ..engine.types import FinishReason, TokenLogprob
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def finish_reason(reason: FinishReason, has_tool_calls: bool = False) -> str:
+    if has_tool_calls and reason == FinishReason.STOP:
+        return "tool_calls"
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def logprob_content(logprobs: list[TokenLogprob], token_text) -> list[dict]:
+    """OpenAI ``logprobs.content`` entries; ``token_text`` maps a token id to its text."""
+    out = []
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        out.append(
+            {
+                "token": text,
+                "logprob": lp.logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode("utf-8"))}
+                    for t, v in lp.top
+                ],
+            }
+        )
+    return out
+
+
+class ChunkWriter:
+    """Builds the SSE events of one streamed chat completion."""
+
+    def __init__(self, completion_id: str, model: str, obj: str = "chat.completion.chunk"):
+        self.id = completion_id
+        self.model = model
+        self.object = obj
+        self.created = int(time.time())
+
+    def chunk(self, choice: dict | None, usage_: dict | None = None) -> bytes:
+        body = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice] if choice is not None else [],
+        }
+        if usage_ is not None:
+            body["usage"] = usage_
+        return sse(body)
+
+
+def sse(body: dict) -> bytes:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode("utf-8")
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEARTBEAT = b": keep-alive\n\n"

@@ -1,0 +1,219 @@
+"""Validation of OpenAI request bodies into typed requests.
+
+Every problem a client can cause becomes a 400 naming the offending field. Unknown
+fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.types import SamplingParams
+from .errors import bad_request
+
+_MISSING = object()
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _type_name(types) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _get(body: dict, name: str, types: tuple, default=None, param: str | None = None):
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    # bool is an int in Python; keep them apart.
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        raise bad_request(f"'{name}' must be {_type_name(types)}", param or name, "invalid_type")
+    return value
+
+
+def _number(body, name, default, lo=None, hi=None):
+    value = _get(body, name, (int, float), default)
+    if value is None:
+        return None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    sampling: SamplingParams
+    tools: list[dict] = field(default_factory=list)
+    tool_choice: Any = "auto"
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+def _check_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list):
+        raise bad_request("'messages' must be an array of message objects", "messages", "invalid_type")
+    if not messages:
+        raise bad_request("'messages' must contain at least one message", "messages")
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"'{where}' must be an object", where, "invalid_type")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise bad_request(
+                f"'{where}.role' must be one of {sorted(_ROLES)}, got {role!r}", f"{where}.role"
+            )
+        content = msg.get("content")
+        if content is None:
+            if role == "assistant" and msg.get("tool_calls"):
+                continue
+            if role == "assistant":
+                continue
+            raise bad_request(f"'{where}.content' is required", f"{where}.content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise bad_request(
+                f"'{where}.content' must be a string or an array of content parts",
+                f"{where}.content", "invalid_type",
+            )
+        for j, part in enumerate(content):
+            _check_part(part, f"{where}.content[{j}]", role)
+    return messages
+
+
+def _check_part(part: Any, where: str, role: str) -> None:
+    if not isinstance(part, dict):
+        raise bad_request(f"'{where}' must be an object", where, "invalid_type")
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"'{where}.text' must be a string", f"{where}.text", "invalid_type")
+    elif kind == "image_url":
+        if role != "user":
+            raise bad_request(f"images are only supported in user messages", where)
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url:
+            raise bad_request(
+                f"'{where}.image_url.url' must be a non-empty string", f"{where}.image_url.url",
+                "invalid_type",
+            )
+    else:
+        raise bad_request(
+            f"unsupported content part type {kind!r} (expected 'text' or 'image_url')",
+            f"{where}.type",
+        )
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        return [s for s in stop if s]
+    raise bad_request("'stop' must be a string or an array of at most 16 strings", "stop")
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    bias = _get(body, "logit_bias", (dict,), {})
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request("'logit_bias' values must be numbers between -100 and 100", "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def sampling_from(body: dict, vocab_size: int) -> tuple[SamplingParams, int | None]:
+    """Sampling parameters shared by chat and text completions."""
+    max_tokens = _get(body, "max_completion_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,), None)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request("'max_tokens' must be at least 1", "max_tokens")
+    n = _get(body, "n", (int,), 1)
+    if n != 1:
+        raise bad_request("only n=1 is supported", "n", "unsupported_value")
+    logprobs = _get(body, "logprobs", (bool,), False)
+    top_logprobs = _get(body, "top_logprobs", (int,), 0)
+    if not 0 <= top_logprobs <= 20:
+        raise bad_request("'top_logprobs' must be between 0 and 20", "top_logprobs")
+    logit_bias = _logit_bias(body)
+    for token in logit_bias:
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"'logit_bias' token id {token} is out of range", "logit_bias")
+    seed = _get(body, "seed", (int,), None)
+    params = SamplingParams(
+        max_tokens=max_tokens or 0,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_get(body, "top_k", (int,), 0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=seed,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=logit_bias,
+        stop=_stop(body),
+        ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        logprobs=logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+    )
+    if params.top_k < 0:
+        raise bad_request("'top_k' must be 0 (disabled) or positive", "top_k")
+    if params.top_p <= 0.0:
+        raise bad_request("'top_p' must be greater than 0", "top_p")
+    return params, max_tokens
+
+
+def _response_format(body: dict) -> None:
+    fmt = _get(body, "response_format", (dict,), None)
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return
+    if kind in ("json_object", "json_schema"):
+        raise bad_request(
+            f"response_format type {kind!r} is not supported yet", "response_format.type",
+            "unsupported_value",
+        )
+    raise bad_request(f"unknown response_format type {kind!r}", "response_format.type")
+
+
+def parse_chat_request(body: Any, vocab_size: int) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_type")
+    if "messages" not in body:
+        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
+    messages = _check_messages(body["messages"])
+    stream = _get(body, "stream", (bool,), False)
+    stream_options = _get(body, "stream_options", (dict,), {})
+    include_usage = bool(stream_options.get("include_usage", False))
+    sampling, max_tokens = sampling_from(body, vocab_size)
+    _response_format(body)
+    tools = _get(body, "tools", (list,), [])
+    return ChatRequest(
+        messages=messages,
+        model=_get(body, "model", (str,), None),
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        tools=tools,
+        tool_choice=body.get("tool_choice") or "auto",
+        chat_template_kwargs=_get(body, "chat_template_kwargs", (dict,), {}),
+    )

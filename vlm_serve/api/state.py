@@ -1,0 +1,106 @@
+"""What request handlers share: the engine, the config, the CPU pool."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.requests import Request
+
+from ..config import ServerConfig
+from ..engine.engine import Engine, EngineBusy, RequestStream
+from ..engine.types import PreparedRequest
+from ..preprocess.media import MediaError, MediaPolicy
+from ..preprocess.prompt import PromptContext, PromptError
+from .errors import APIError, bad_request
+
+
+class AppState:
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.loaded = engine.loaded
+        self.model_id = config.model_id
+        self.max_model_len = config.max_model_len or self.loaded.max_model_len
+        self.cpu_pool = ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="vlm-cpu")
+        self.prompt_context = PromptContext(
+            processor=self.loaded.processor,
+            model_type=self.loaded.model_type,
+            media=MediaPolicy(
+                max_image_bytes=config.max_image_bytes,
+                max_image_pixels=config.max_image_pixels,
+                fetch_timeout_s=config.media_fetch_timeout_s,
+                allow_private_urls=config.allow_private_media_urls,
+                allowed_local_path=config.allowed_local_media_path,
+            ),
+            max_images=config.limit_mm_per_prompt,
+        )
+        self.started = int(time.time())
+
+    async def run_cpu(self, fn, *args):
+        """Run CPU-bound preprocessing on the pool; client-caused failures become 400s."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.cpu_pool, functools.partial(fn, *args))
+        except (MediaError, PromptError) as exc:
+            raise bad_request(exc.message, exc.param, exc.code) from exc
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_id, self.config.model):
+            raise APIError(
+                400, f"model {model!r} is not served here (serving {self.model_id!r})",
+                param="model", code="model_not_found",
+            )
+
+    def apply_limits(self, prepared: PreparedRequest, max_tokens: int | None) -> None:
+        """Fill in the default max_tokens and refuse prompts that cannot fit."""
+        prompt = prepared.num_prompt_tokens
+        room = self.max_model_len - prompt
+        if room < 1:
+            raise bad_request(
+                f"the prompt has {prompt} tokens, over this model's context of "
+                f"{self.max_model_len}", "messages", "context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, room)
+        elif max_tokens > room:
+            raise bad_request(
+                f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                f"context of {self.max_model_len} tokens", "max_tokens", "context_length_exceeded",
+            )
+        prepared.sampling.max_tokens = max_tokens
+        if self.config.request_timeout_s:
+            prepared.deadline = time.monotonic() + self.config.request_timeout_s
+
+    def submit(self, prepared: PreparedRequest) -> RequestStream:
+        try:
+            return self.engine.submit(prepared)
+        except EngineBusy as exc:
+            raise APIError(
+                503, "the server is at capacity; retry shortly", code="server_busy",
+                headers={"Retry-After": "1"},
+            ) from exc
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        return self.loaded.tokenizer.decode([token_id])
+
+
+async def read_json(request: Request, limit: int):
+    """The request body as JSON, refusing bodies over ``limit`` bytes (413)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc

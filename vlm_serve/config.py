@@ -1,0 +1,42 @@
+"""One typed configuration for everything tunable; the CLI fills it in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None  # None: the built-in demo model
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    api_key: str | None = None
+
+    # Scheduling and limits
+    max_num_seqs: int = 32
+    max_queue_size: int = 256
+    max_model_len: int | None = None  # None: from the model config
+    default_max_tokens: int = 1024
+    prefill_step_size: int = 512
+    request_timeout_s: float | None = None
+    cpu_workers: int = 4
+
+    # Requests and media
+    max_request_bytes: int = 64 * 1024 * 1024
+    limit_mm_per_prompt: int = 8
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    media_fetch_timeout_s: float = 10.0
+    allow_private_media_urls: bool = False
+    allowed_local_media_path: str | None = None
+
+    tool_call_parser: str | None = None  # None: chosen from the model
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def model_id(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model or "vlm-serve-demo"

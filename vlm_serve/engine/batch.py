@@ -1,0 +1,72 @@
+"""The running batch: one batched decode step for every row.
+
+Rows that finished prefill join with their own single-request cache, which is merged
+into the left-padded batch caches of mlx-lm (``BatchKVCache`` / ``BatchRotatingKVCache``,
+one per layer). Rows that finish leave at once: the caches are filtered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .adapters import ModelAdapter
+from .sampling import BatchSampler, SampleOutput
+
+
+def _to_batch_cache(layer_cache):
+    # KVCache.merge / RotatingKVCache.merge build the matching batch cache.
+    return type(layer_cache).merge([layer_cache])
+
+
+class Batch:
+    def __init__(self, model, adapter: ModelAdapter, vocab_size: int):
+        self.model = model
+        self.adapter = adapter
+        self.vocab_size = vocab_size
+        self.row_states: list[dict[str, Any]] = []
+        self.cache: list | None = None
+        self.sampler = BatchSampler(vocab_size)
+        self.last_tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.row_states)
+
+    def add(self, row_cache: list, sampler: BatchSampler, first_token: int, state: dict) -> None:
+        """Append a prefilled row (its cache, its one-row sampler, its first token)."""
+        joining = [_to_batch_cache(c) for c in row_cache]
+        if self.cache is None:
+            self.cache = joining
+        else:
+            for mine, theirs in zip(self.cache, joining):
+                mine.extend(theirs)
+        self.sampler.extend(sampler)
+        self.row_states.append(state)
+        self.last_tokens.append(first_token)
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep the rows at ``indices``; everything else leaves the batch now."""
+        if len(indices) == len(self):
+            return
+        if not indices:
+            self.reset()
+            return
+        for c in self.cache:
+            c.filter(mx.array(indices, mx.int32))
+        self.sampler.keep(indices)
+        self.row_states = [self.row_states[i] for i in indices]
+        self.last_tokens = [self.last_tokens[i] for i in indices]
+
+    def reset(self) -> None:
+        self.cache = None
+        self.sampler = BatchSampler(self.vocab_size)
+        self.row_states = []
+        self.last_tokens = []
+
+    def step(self) -> SampleOutput:
+        """One decode step for all rows: returns the sampled tokens (not yet evaluated)."""
+        inputs = mx.array(self.last_tokens, mx.int32)[:, None]
+        kwargs = self.adapter.decode_kwargs(self.cache, self.row_states)
+        out = self.model.language_model(inputs, cache=self.cache, **kwargs)
+        return self.sampler.sample(out.logits[:, -1, :])

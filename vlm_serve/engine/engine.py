@@ -1,0 +1,132 @@
+"""The engine front: owns the MLX worker thread and routes its events to requests.
+
+The event loop calls ``submit``/``cancel``; the worker thread loads the model and runs
+the scheduler; events come back in one batch per step through
+``loop.call_soon_threadsafe`` into one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator
+
+from . import loader
+from .adapters import adapter_for
+from .scheduler import Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
+from .types import GenerationEvent, PreparedRequest
+
+log = logging.getLogger("vlm_serve.engine")
+
+
+class EngineBusy(Exception):
+    """The waiting queue is full."""
+
+
+class Engine:
+    def __init__(self, model: str, scheduler_config: SchedulerConfig, max_queue: int = 256):
+        self.model_name = model
+        self.scheduler_config = scheduler_config
+        self.max_queue = max_queue
+        self.loaded: loader.LoadedModel | None = None
+        self.scheduler: Scheduler | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    # -- lifecycle (any thread) ---------------------------------------------------------
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the worker thread and wait until the model is loaded."""
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self._load_error is not None:
+            raise RuntimeError(f"failed to load model {self.model_name!r}") from self._load_error
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.inbox.put(Shutdown())
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            self.loaded = loader.load(self.model_name)
+            self.scheduler = Scheduler(
+                self.loaded.model,
+                adapter_for(self.loaded.model),
+                self.loaded.detokenizer,
+                self.loaded.eos_token_ids,
+                self.loaded.vocab_size,
+                self._publish,
+                self.scheduler_config,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.scheduler.run()
+
+    # -- requests (event loop thread) ---------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    def submit(self, request: PreparedRequest) -> "RequestStream":
+        limit = self.scheduler_config.max_num_seqs + self.max_queue
+        if self.in_flight >= limit:
+            raise EngineBusy(f"{self.in_flight} requests in flight")
+        self._loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = q
+        self.scheduler.inbox.put(Submit(request))
+        return RequestStream(self, request.request_id, q)
+
+    def cancel(self, request_id: str) -> None:
+        if request_id in self._queues:
+            self.scheduler.inbox.put(Cancel(request_id))
+
+    def _publish(self, events: list[GenerationEvent]) -> None:
+        # Worker thread: hand the whole step's events to the loop in one callback.
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _dispatch(self, events: list[GenerationEvent]) -> None:
+        for event in events:
+            q = self._queues.get(event.request_id)
+            if q is None:
+                continue
+            q.put_nowait(event)
+            if event.finished:
+                del self._queues[event.request_id]
+
+
+class RequestStream:
+    """The events of one request, as an async iterator that ends after the final one.
+
+    Leaving the iteration early (client gone, handler cancelled) cancels the request in
+    the engine, so its row leaves the batch within a step.
+    """
+
+    def __init__(self, engine: Engine, request_id: str, q: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = q
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        try:
+            while True:
+                event = await self._queue.get()
+                yield event
+                if event.finished:
+                    self.finished = True
+                    return
+        finally:
+            if not self.finished:
+                self.engine.cancel(self.request_id)

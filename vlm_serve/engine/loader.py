@@ -1,0 +1,102 @@
+"""Loading a model with mlx-vlm and reading the facts the server needs from it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .detokenize import make_detokenizer
+
+log = logging.getLogger("vlm_serve.engine")
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    processor: Any
+    path: Path
+    model_type: str
+    eos_token_ids: set[int]
+    vocab_size: int
+    max_model_len: int
+    chat_template: str | None
+    detokenizer: Any
+
+    @property
+    def tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)
+
+
+def _as_set(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _eos_ids(model, processor, path: Path) -> set[int]:
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = _as_set(getattr(model.config, "eos_token_id", None))
+    gen_config = path / "generation_config.json"
+    if gen_config.exists():
+        ids |= _as_set(json.loads(gen_config.read_text()).get("eos_token_id"))
+    criteria = getattr(tokenizer, "stopping_criteria", None)
+    ids |= _as_set(getattr(criteria, "eos_token_ids", None))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _max_model_len(model) -> int:
+    text_config = getattr(model.config, "text_config", model.config)
+    for name in ("max_position_embeddings", "max_seq_len", "max_sequence_length"):
+        value = getattr(text_config, name, None) or getattr(model.config, name, None)
+        if value:
+            return int(value)
+    return 8192
+
+
+def _chat_template(processor) -> str | None:
+    template = getattr(processor, "chat_template", None)
+    if template is None:
+        template = getattr(getattr(processor, "tokenizer", None), "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+def load(model: str) -> LoadedModel:
+    """Load ``model`` (a local directory or a Hugging Face repo id) on this thread."""
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.utils import get_model_path
+
+    path = Path(get_model_path(model))
+    vlm_model, processor = vlm_load(str(path))
+    # One token through the language model: warms up and tells the logits width,
+    # which may differ from the tokenizer's size.
+    from mlx_vlm.models import cache as vlm_cache
+
+    probe = vlm_model.language_model(
+        mx.array([[0]], mx.int32), cache=vlm_cache.make_prompt_cache(vlm_model.language_model)
+    )
+    vocab_size = int(probe.logits.shape[-1])
+    loaded = LoadedModel(
+        model=vlm_model,
+        processor=processor,
+        path=path,
+        model_type=str(getattr(vlm_model.config, "model_type", "")),
+        eos_token_ids=_eos_ids(vlm_model, processor, path),
+        vocab_size=vocab_size,
+        max_model_len=_max_model_len(vlm_model),
+        chat_template=_chat_template(processor),
+        detokenizer=make_detokenizer(path, getattr(processor, "tokenizer", processor)),
+    )
+    log.info(
+        "loaded %s (%s): vocab=%d max_model_len=%d eos=%s",
+        model, loaded.model_type, vocab_size, loaded.max_model_len, sorted(loaded.eos_token_ids),
+    )
+    return loaded

@@ -1,0 +1,77 @@
+"""Prefill of one request on its own cache, one chunk at a time.
+
+The split mirrors mlx-vlm's ``generate_step``: the prompt minus its last token goes
+through the language model in chunks of ``step_size`` (outputs discarded), then the last
+token alone gives the logits of the first sampled token. Only last-position logits are
+ever computed. The scheduler runs one chunk between decode steps so running streams keep
+flowing while a long prompt is prefilled.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_vlm.models import cache as vlm_cache
+
+from .adapters import ModelAdapter
+from .types import PreparedRequest
+
+
+class Prefill:
+    def __init__(self, model, adapter: ModelAdapter, request: PreparedRequest, step_size: int):
+        self.model = model
+        self.adapter = adapter
+        self.request = request
+        self.step_size = max(1, step_size)
+        self.cache = vlm_cache.make_prompt_cache(model.language_model)
+        self.input_ids: mx.array | None = None
+        self.embeds: mx.array | None = None
+        self.kwargs: dict = {}
+        self.chunked = True
+        self.logits: mx.array | None = None  # (1, V) once done
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+    def start(self) -> None:
+        """Materialize the prepared numpy inputs and run the vision tower."""
+        req = self.request
+        self.input_ids = mx.array(req.input_ids, dtype=mx.int32)[None]
+        inputs = {k: mx.array(v) for k, v in req.model_inputs.items()}
+        self.embeds, self.kwargs = self.adapter.embed(self.input_ids, inputs)
+        self.chunked = self.adapter.can_chunk_prefill(
+            self.input_ids, self.embeds, self.cache, self.kwargs
+        )
+        mx.eval(self.embeds)
+
+    def step(self) -> None:
+        """Run the next chunk; after the last one, ``logits`` is set."""
+        if self.embeds is None:
+            self.start()
+            return
+        lm = self.model.language_model
+        remaining = self.embeds.shape[1]
+        if self.chunked and remaining > 1:
+            n = min(self.step_size, remaining - 1)
+            lm(
+                inputs=self.input_ids[:, :n],
+                inputs_embeds=self.embeds[:, :n],
+                cache=self.cache,
+                n_to_process=n,
+                logits_to_keep=1,
+                **self.kwargs,
+            )
+            mx.eval([c.state for c in self.cache])
+            self.input_ids = self.input_ids[:, n:]
+            self.embeds = self.embeds[:, n:]
+            return
+        out = lm(
+            self.input_ids[:, -remaining:],
+            inputs_embeds=self.embeds,
+            cache=self.cache,
+            logits_to_keep=1,
+            **self.kwargs,
+        )
+        self.logits = out.logits[:, -1, :]
+        mx.eval(self.logits)
+        self.input_ids = self.embeds = None

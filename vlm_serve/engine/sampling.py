@@ -1,0 +1,197 @@
+"""Vectorised per-row sampling for a batch of running requests.
+
+Every row has its own settings (temperature, top-p/k, min-p, penalties, logit bias,
+seed), held as arrays so one step samples all rows with a handful of MLX ops. The only
+per-row Python work is for rows with a seed (one small key op each) and it does not
+grow with the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .types import SamplingParams
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def _row_key(seed: int, position: int) -> mx.array:
+    # A key that depends only on (seed, position): a seeded request samples the same
+    # tokens whether it runs alone or next to other rows.
+    return mx.random.key((seed * 1_000_003 + position * 7_919) & _SEED_MASK)
+
+
+@dataclass
+class SampleOutput:
+    tokens: mx.array  # (B,) int32
+    logprobs: mx.array  # (B, V) float32, normalised, after penalties and bias
+
+
+class BatchSampler:
+    """Holds the sampling state of the rows of a batch, in batch order."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.params: list[SamplingParams] = []
+        self.positions: list[int] = []  # tokens sampled so far, per row
+        self._arrays: dict[str, mx.array] | None = None
+        self._bias: mx.array | None = None  # (B, V) or None when no row has a bias
+        self._counts: mx.array | None = None  # (B, V) generated-token counts
+        self._seen: mx.array | None = None  # (B, V) prompt or generated, for repetition
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    # -- membership -------------------------------------------------------------------
+
+    def add(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        V = self.vocab_size
+        B = len(self.params)
+        self.params.append(params)
+        self.positions.append(0)
+        self._arrays = None
+
+        if params.logit_bias or self._bias is not None:
+            row = mx.zeros((1, V), mx.float32)
+            if params.logit_bias:
+                ids = mx.array(list(params.logit_bias.keys()), mx.int32)
+                vals = mx.array(list(params.logit_bias.values()), mx.float32)
+                row = row.at[0, ids].add(vals)
+            old = self._bias if self._bias is not None else mx.zeros((B, V), mx.float32)
+            self._bias = mx.concatenate([old, row])
+
+        if params.needs_penalties or self._counts is not None:
+            counts = mx.zeros((1, V), mx.float32)
+            seen = mx.zeros((1, V), mx.bool_)
+            if params.repetition_penalty != 1.0 and prompt_ids:
+                seen = seen.at[0, mx.array(prompt_ids, mx.int32)].add(True)
+            if self._counts is None:
+                self._counts = mx.zeros((B, V), mx.float32)
+                self._seen = mx.zeros((B, V), mx.bool_)
+            self._counts = mx.concatenate([self._counts, counts])
+            self._seen = mx.concatenate([self._seen, seen])
+
+    def extend(self, other: "BatchSampler") -> None:
+        """Append the rows of ``other`` (e.g. a row that just finished prefill)."""
+        B, Bo, V = len(self), len(other), self.vocab_size
+
+        def cat(mine, theirs, dtype):
+            if mine is None and theirs is None:
+                return None
+            mine = mine if mine is not None else mx.zeros((B, V), dtype)
+            theirs = theirs if theirs is not None else mx.zeros((Bo, V), dtype)
+            return mx.concatenate([mine, theirs])
+
+        self._bias = cat(self._bias, other._bias, mx.float32)
+        self._counts = cat(self._counts, other._counts, mx.float32)
+        self._seen = cat(self._seen, other._seen, mx.bool_)
+        self.params += other.params
+        self.positions += other.positions
+        self._arrays = None
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only the rows at ``indices`` (in that order)."""
+        self.params = [self.params[i] for i in indices]
+        self.positions = [self.positions[i] for i in indices]
+        self._arrays = None
+        if not indices:
+            self._bias = self._counts = self._seen = None
+            return
+        idx = mx.array(indices, mx.int32)
+        if self._bias is not None:
+            self._bias = self._bias[idx]
+        if self._counts is not None:
+            self._counts = self._counts[idx]
+            self._seen = self._seen[idx]
+
+    # -- sampling ---------------------------------------------------------------------
+
+    def _param_arrays(self) -> dict[str, mx.array]:
+        if self._arrays is None:
+            ps = self.params
+            V = self.vocab_size
+            self._arrays = {
+                "temperature": mx.array([max(p.temperature, 0.0) for p in ps], mx.float32),
+                "top_p": mx.array([p.top_p for p in ps], mx.float32),
+                "top_k": mx.array([p.top_k if p.top_k > 0 else V for p in ps], mx.int32),
+                "min_p": mx.array([p.min_p for p in ps], mx.float32),
+                "repetition": mx.array([p.repetition_penalty for p in ps], mx.float32),
+                "presence": mx.array([p.presence_penalty for p in ps], mx.float32),
+                "frequency": mx.array([p.frequency_penalty for p in ps], mx.float32),
+            }
+        return self._arrays
+
+    def _apply_penalties(self, logits: mx.array, a: dict[str, mx.array]) -> mx.array:
+        rep = a["repetition"][:, None]
+        penalised = mx.where(logits > 0, logits / rep, logits * rep)
+        logits = mx.where(self._seen, penalised, logits)
+        logits = logits - a["frequency"][:, None] * self._counts
+        return logits - a["presence"][:, None] * (self._counts > 0)
+
+    def _noise(self, shape: tuple[int, int]) -> mx.array:
+        seeded = [i for i, p in enumerate(self.params) if p.seed is not None]
+        if not seeded:
+            return mx.random.gumbel(shape)
+        rows = []
+        for i, p in enumerate(self.params):
+            if p.seed is not None:
+                rows.append(mx.random.gumbel((1, shape[1]), key=_row_key(p.seed, self.positions[i])))
+            else:
+                rows.append(mx.random.gumbel((1, shape[1])))
+        return mx.concatenate(rows)
+
+    def sample(self, logits: mx.array) -> SampleOutput:
+        """Sample one token per row from ``logits`` of shape (B, V)."""
+        a = self._param_arrays()
+        logits = logits.astype(mx.float32)
+        if self._counts is not None:
+            logits = self._apply_penalties(logits, a)
+        if self._bias is not None:
+            logits = logits + self._bias
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+
+        if any(not p.is_greedy for p in self.params):
+            tokens = mx.where(a["temperature"] > 0, self._sample_random(logprobs, a), tokens)
+
+        if self._counts is not None:
+            rows = mx.arange(len(self.params))
+            self._counts = self._counts.at[rows, tokens].add(1.0)
+            self._seen = self._seen.at[rows, tokens].add(True)
+        self.positions = [n + 1 for n in self.positions]
+        return SampleOutput(tokens=tokens, logprobs=logprobs)
+
+    def _sample_random(self, logprobs: mx.array, a: dict[str, mx.array]) -> mx.array:
+        temp = mx.where(a["temperature"] > 0, a["temperature"], 1.0)[:, None]
+        scaled = logprobs / temp
+        noise = self._noise(scaled.shape)
+        truncating = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in self.params)
+        if not truncating:
+            # Gumbel-max: argmax(logits + Gumbel noise) is a categorical sample.
+            return mx.argmax(scaled + noise, axis=-1).astype(mx.int32)
+
+        # Find each row's cut-off in sorted order, then mask in vocabulary order so the
+        # noise lines up with token ids whatever the other rows ask for.
+        order = mx.argsort(-scaled, axis=-1)
+        sorted_lp = mx.take_along_axis(scaled, order, axis=-1)
+        probs = mx.softmax(sorted_lp, axis=-1)
+        rank = mx.arange(scaled.shape[1])[None, :]
+        top_p = a["top_p"][:, None]
+        keep = rank < a["top_k"][:, None]
+        keep = keep & (((mx.cumsum(probs, axis=-1) - probs) < top_p) | (top_p >= 1.0))
+        keep = keep & (probs >= a["min_p"][:, None] * probs[:, :1])
+        threshold = mx.min(mx.where(keep, sorted_lp, mx.inf), axis=-1, keepdims=True)
+        masked = mx.where(scaled >= threshold, scaled, -mx.inf)
+        return mx.argmax(masked + noise, axis=-1).astype(mx.int32)
+
+
+def top_logprobs(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Chosen-token logprob plus the k best (ids, values) per row, best first."""
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1)
+    if k <= 0:
+        empty = mx.zeros((logprobs.shape[0], 0))
+        return chosen, empty.astype(mx.int32), empty
+    ids = mx.argsort(-logprobs, axis=-1)[:, :k]
+    return chosen, ids, mx.take_along_axis(logprobs, ids, axis=-1)

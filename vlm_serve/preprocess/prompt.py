@@ -1,0 +1,159 @@
+"""From OpenAI chat messages to a ``PreparedRequest``: images, template, tokens.
+
+Runs on the CPU pool. The model's own processor does the image work (resizing,
+normalising, expanding image placeholders into image tokens); its numpy outputs are
+handed to the worker, which alone makes MLX arrays.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from mlx_vlm.utils import process_inputs, should_add_special_tokens
+
+from ..engine.types import PreparedRequest, SamplingParams
+from .media import MediaError, MediaPolicy, image_digest, load_image
+
+
+class PromptError(ValueError):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+@dataclass
+class PromptContext:
+    """What preprocessing needs to know about the served model."""
+
+    processor: object
+    model_type: str
+    media: MediaPolicy
+    max_images: int
+
+
+def _text_of(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
+def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
+    """OpenAI messages -> the shape HF chat templates expect, plus image URLs in order."""
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        role = "system" if msg["role"] == "developer" else msg["role"]
+        content = msg.get("content")
+        item: dict = {"role": role}
+        if isinstance(content, list) and any(p.get("type") == "image_url" for p in content):
+            parts = []
+            for j, part in enumerate(content):
+                if part["type"] == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    image = part["image_url"]
+                    url = image["url"] if isinstance(image, dict) else image
+                    images.append((url, f"messages[{i}].content[{j}].image_url"))
+                    parts.append({"type": "image"})
+            item["content"] = parts
+        else:
+            item["content"] = _text_of(content)
+        if msg.get("tool_calls"):
+            item["tool_calls"] = [_template_tool_call(c) for c in msg["tool_calls"]]
+        for key in ("tool_call_id", "name"):
+            if msg.get(key) is not None:
+                item[key] = msg[key]
+        out.append(item)
+    return out, images
+
+
+def _template_tool_call(call: dict) -> dict:
+    # Templates want arguments as a mapping; OpenAI sends a JSON string.
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            function["arguments"] = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass
+    return {"id": call.get("id"), "type": call.get("type", "function"), "function": function}
+
+
+def render_chat(
+    processor, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None
+) -> str:
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
+    # Some processors (e.g. mlx-vlm's Gemma3Processor) leave the template on the tokenizer.
+    target = processor
+    if getattr(processor, "chat_template", None) is None and hasattr(processor, "tokenizer"):
+        target = processor.tokenizer
+    try:
+        return target.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except Exception as exc:  # template errors are caused by the request's shape
+        raise PromptError(f"could not render the chat template: {exc}", "messages") from exc
+
+
+def tokenize(ctx: PromptContext, prompt: str, images: list) -> tuple[np.ndarray, dict]:
+    """Token ids and other model inputs, exactly as mlx-vlm's ``prepare_inputs`` makes them."""
+    processor = ctx.processor
+    add_special = should_add_special_tokens(ctx.model_type, processor)
+    if not images:
+        tokenizer = getattr(processor, "tokenizer", processor)
+        ids = tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+        return np.asarray(ids, dtype=np.int32).reshape(-1), {}
+    inputs = process_inputs(
+        processor, prompts=[prompt], images=images, add_special_tokens=add_special,
+        return_tensors="np",
+    )
+    if "images" in inputs:
+        inputs["pixel_values"] = inputs.pop("images")
+    ids = np.asarray(inputs.pop("input_ids"), dtype=np.int32).reshape(-1)
+    model_inputs = {k: np.asarray(v) for k, v in inputs.items() if v is not None}
+    return ids, model_inputs
+
+
+def prepare_chat(
+    ctx: PromptContext,
+    request_id: str,
+    messages: list[dict],
+    sampling: SamplingParams,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
+) -> PreparedRequest:
+    hf_messages, image_refs = _template_messages(messages)
+    if len(image_refs) > ctx.max_images:
+        raise PromptError(
+            f"too many images: {len(image_refs)} (at most {ctx.max_images} per request)",
+            "messages", "too_many_images",
+        )
+    images = [load_image(url, ctx.media, param=param) for url, param in image_refs]
+    prompt = render_chat(ctx.processor, hf_messages, tools, template_kwargs)
+    return prepare_prompt(ctx, request_id, prompt, sampling, images)
+
+
+def prepare_prompt(
+    ctx: PromptContext, request_id: str, prompt: str, sampling: SamplingParams, images=()
+) -> PreparedRequest:
+    try:
+        ids, model_inputs = tokenize(ctx, prompt, list(images))
+    except (MediaError, PromptError):
+        raise
+    except Exception as exc:  # the processor rejected these inputs
+        raise PromptError(f"could not process the request's inputs: {exc}", "messages") from exc
+    if ids.size == 0:
+        raise PromptError("the prompt is empty", "messages")
+    return PreparedRequest(
+        request_id=request_id,
+        input_ids=ids,
+        sampling=sampling,
+        model_inputs=model_inputs,
+        num_images=len(images),
+        image_digests=tuple(image_digest(im) for im in images),
+    )
