@@ -1,0 +1,122 @@
+"""Shared test fixtures: tiny models built locally, engines, a real server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import socket
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fixtures.build import cached_model
+from vlm_serve.config import ServerConfig
+
+ARCHS = ["gemma3", "qwen2_5_vl", "gemma4"]
+
+
+def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A deterministic RGB test image: a gradient with noise."""
+    rng = np.random.default_rng(seed)
+    x = np.linspace(0, 255, width)[None, :, None]
+    y = np.linspace(0, 255, height)[:, None, None]
+    base = (x * 0.6 + y * 0.4) * np.ones((1, 1, 3))
+    pixels = np.clip(base + rng.normal(0, 40, (height, width, 3)), 0, 255)
+    return Image.fromarray(pixels.astype(np.uint8), "RGB")
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """Path of the tiny model of an architecture, built once per session."""
+    return lambda arch: cached_model(arch)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """The real app under Hypercorn on a loopback port, in a background thread."""
+
+    def __init__(self, config: ServerConfig):
+        from vlm_serve.api.app import create_app
+        from vlm_serve.server import build_engine, hypercorn_config
+
+        self.config = config
+        self.engine = build_engine(config)
+        self.app = create_app(self.engine, config)
+        self.base_url = f"http://{config.host}:{config.port}"
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        started = threading.Event()
+
+        async def main():
+            from hypercorn.asyncio import serve
+
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            started.set()
+            await serve(self.app, hypercorn_config(config), shutdown_trigger=self._stop.wait)
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+        self._thread.start()
+        started.wait(10)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        import httpx
+
+        for _ in range(200):
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            threading.Event().wait(0.05)
+        raise RuntimeError("server did not start")
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "none"), **kwargs)
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def start_server():
+    """Factory: start a server for a model with config overrides; stopped at module end."""
+    servers = []
+
+    def start(arch: str = "gemma3", **overrides) -> RunningServer:
+        config = ServerConfig(
+            model=str(cached_model(arch)), served_model_name=f"tiny-{arch}", port=free_port(),
+            log_level="warning", **overrides,
+        )
+        server = RunningServer(config)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -1,0 +1,235 @@
+"""Batched generation equals single-request generation.
+
+The oracle is mlx-vlm's own ``stream_generate`` on a separately loaded copy of the same
+tiny model, one request at a time; greedy decoding in float32 on the CPU. Every request
+of a mixed batch must produce exactly the oracle's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import pytest
+from mlx_vlm import load as vlm_load
+from mlx_vlm import stream_generate
+
+from vlm_serve.engine.engine import Engine
+from vlm_serve.engine.scheduler import SchedulerConfig
+from vlm_serve.engine.types import FinishReason, SamplingParams
+from vlm_serve.preprocess.media import MediaPolicy
+from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+from conftest import ARCHS, make_image
+
+PREFILL_STEP = 32  # small, so long prompts are prefilled in several interleaved chunks
+
+LONG_TEXT = " ".join(
+    f"Sentence {i} tells of a {w} that crossed the river at dawn." for i, w in
+    enumerate(["fox", "heron", "barge", "cloud", "rider", "lantern", "kite", "wolf"] * 4)
+)
+
+
+@dataclass
+class Case:
+    name: str
+    text: str
+    images: list = field(default_factory=list)
+    max_tokens: int = 12
+    stop: list[str] = field(default_factory=list)
+
+
+def chat_prompt(processor, case: Case) -> str:
+    parts = [{"type": "image"} for _ in case.images] + [{"type": "text", "text": case.text}]
+    return render_chat(processor, [{"role": "user", "content": parts}])
+
+
+class Harness:
+    """An engine and an oracle copy of one architecture's tiny model."""
+
+    def __init__(self, path: str, max_num_seqs: int = 16):
+        self.engine = Engine(path, SchedulerConfig(max_num_seqs=max_num_seqs, prefill_step_size=PREFILL_STEP))
+        self.engine.start()
+        loaded = self.engine.loaded
+        self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8)
+        self.oracle_model, self.oracle_processor = vlm_load(path)
+        self._oracle_cache: dict = {}
+
+    def prepare(self, case: Case, rid: str, **sampling):
+        params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, stop=case.stop, **sampling)
+        return prepare_prompt(self.ctx, rid, chat_prompt(self.ctx.processor, case), params, case.images)
+
+    def oracle(self, case: Case) -> list[int]:
+        key = (case.name, case.max_tokens)
+        if key not in self._oracle_cache:
+            final = None
+            for result in stream_generate(
+                self.oracle_model, self.oracle_processor, chat_prompt(self.oracle_processor, case),
+                image=case.images or None, max_tokens=case.max_tokens, temperature=0.0,
+                prefill_step_size=PREFILL_STEP,
+            ):
+                final = result
+            self._oracle_cache[key] = list(final.token_ids)
+        return self._oracle_cache[key]
+
+    def oracle_text(self, case: Case) -> str:
+        return self.oracle_processor.tokenizer.decode(self.oracle(case))
+
+
+async def _run(engine: Engine, jobs):
+    """Run jobs: (prepared, start_after, cancel_after). ``start_after`` = (rid, n): submit
+    once request rid has produced n tokens. ``cancel_after`` = n tokens, or None."""
+    progress: dict[str, asyncio.Event] = {}
+    results: dict[str, dict] = {}
+
+    async def one(prepared, start_after, cancel_after):
+        if start_after:
+            await progress[f"{start_after[0]}:{start_after[1]}"].wait()
+        tokens, text, final = [], "", None
+        async for event in engine.submit(prepared):
+            tokens += event.token_ids
+            text += event.text
+            final = event
+            key = f"{prepared.request_id}:{len(tokens)}"
+            if key in progress:
+                progress[key].set()
+            if cancel_after is not None and len(tokens) >= cancel_after and not event.finished:
+                engine.cancel(prepared.request_id)
+        for key, ev in progress.items():
+            if key.startswith(prepared.request_id + ":"):
+                ev.set()  # never leave a waiter hanging
+        results[prepared.request_id] = {"tokens": tokens, "text": text, "finish": final.finish_reason, "error": final.error}
+
+    for _, start_after, _ in jobs:
+        if start_after:
+            progress[f"{start_after[0]}:{start_after[1]}"] = asyncio.Event()
+    await asyncio.wait_for(asyncio.gather(*(one(*job) for job in jobs)), timeout=300)
+    return results
+
+
+def run_jobs(engine, jobs):
+    return asyncio.run(_run(engine, jobs))
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def harness(request, model_path):
+    h = Harness(str(model_path(request.param)))
+    yield h
+    h.engine.shutdown()
+
+
+def _cases() -> list[Case]:
+    return [
+        Case("image-small", "Describe this picture.", [make_image(40, 60, 1)], max_tokens=14),
+        Case("text-short", "Hi!", max_tokens=9),
+        Case("image-wide", "What colours are here, and why?", [make_image(96, 48, 2)], max_tokens=16),
+        Case("two-images", "Compare the two images.", [make_image(56, 56, 3), make_image(30, 70, 4)], max_tokens=11),
+        Case("text-long", LONG_TEXT + " Summarise.", max_tokens=13),
+        Case("image-tall", "Read it.", [make_image(28, 90, 5)], max_tokens=5),
+    ]
+
+
+def _assert_matches_oracle(h: Harness, case: Case, result: dict) -> None:
+    expected = h.oracle(case)
+    assert result["error"] is None
+    assert result["tokens"] == expected, (
+        f"{case.name}: batched {result['tokens']} != oracle {expected}\n{divergence(h, case, result['tokens'], expected)}"
+    )
+
+
+def divergence(h: Harness, case: Case, got: list[int], expected: list[int]) -> str:
+    """Top-2 logit gap of the oracle at the first differing position (near-tie check)."""
+    i = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    from mlx_vlm.utils import prepare_inputs
+
+    prompt = chat_prompt(h.oracle_processor, case)
+    inputs = prepare_inputs(h.oracle_processor, images=case.images or None, prompts=prompt)
+    ids = mx.concatenate([inputs["input_ids"], mx.array([expected[:i]], mx.int32)], axis=1) if i else inputs["input_ids"]
+    kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    emb = h.oracle_model.get_input_embeddings(ids, inputs.get("pixel_values"), mask=mx.ones(ids.shape), **kwargs)
+    extra = {k: v for k, v in emb.to_dict().items() if k != "inputs_embeds" and v is not None}
+    logits = h.oracle_model.language_model(ids, inputs_embeds=emb.inputs_embeds, **extra).logits[0, -1]
+    top = mx.sort(logits)[-2:].tolist()
+    return f"first divergence at token {i}; oracle top-2 logit gap there: {top[1] - top[0]:.6f}"
+
+
+def test_each_request_alone_matches_oracle(harness):
+    for case in _cases()[:3]:
+        result = run_jobs(harness.engine, [(harness.prepare(case, case.name), None, None)])[case.name]
+        _assert_matches_oracle(harness, case, result)
+        assert result["finish"] in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+def test_mixed_batch_matches_oracle(harness):
+    cases = _cases()
+    jobs = [(harness.prepare(c, c.name), None, None) for c in cases]
+    results = run_jobs(harness.engine, jobs)
+    for case in cases:
+        _assert_matches_oracle(harness, case, results[case.name])
+
+
+def test_rows_joining_mid_decode_match_oracle(harness):
+    cases = _cases()
+    first, later = cases[1], cases
+    jobs = [(harness.prepare(Case("first", first.text, max_tokens=30), "first"), None, None)]
+    for i, case in enumerate(later):
+        jobs.append((harness.prepare(case, f"late-{case.name}"), ("first", 2 + 3 * i), None))
+    results = run_jobs(harness.engine, jobs)
+    _assert_matches_oracle(harness, Case("first", first.text, max_tokens=30), results["first"])
+    for case in later:
+        _assert_matches_oracle(harness, case, results[f"late-{case.name}"])
+
+
+def test_cancelled_rows_leave_and_others_match_oracle(harness):
+    cases = _cases()[:4]
+    long = Case("long-cancel", "Tell me a long story about rivers.", max_tokens=40)
+    jobs = [(harness.prepare(c, c.name), None, None) for c in cases]
+    jobs.append((harness.prepare(long, "cancel-me"), None, 3))
+    results = run_jobs(harness.engine, jobs)
+    assert results["cancel-me"]["finish"] == FinishReason.CANCELLED
+    assert 3 <= len(results["cancel-me"]["tokens"]) < 40
+    for case in cases:
+        _assert_matches_oracle(harness, case, results[case.name])
+    assert harness.engine.scheduler.running == []
+
+
+def test_stop_strings_cut_text_and_rows_finish_early(harness):
+    base = Case("stop-base", "Describe this picture.", [make_image(40, 60, 1)], max_tokens=14)
+    text = harness.oracle_text(base)
+    # A stop string from the middle of the oracle's text, possibly spanning tokens.
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if not stop.strip():
+        pytest.skip("oracle text too uniform to pick a stop string")
+    stopped = Case("stop-base", base.text, base.images, max_tokens=14, stop=[stop])
+    others = _cases()[1:4]
+    jobs = [(harness.prepare(stopped, "stopped"), None, None)] + [
+        (harness.prepare(c, c.name), None, None) for c in others
+    ]
+    results = run_jobs(harness.engine, jobs)
+    assert results["stopped"]["finish"] == FinishReason.STOP
+    assert results["stopped"]["text"] == text[: text.find(stop)]
+    assert stop not in results["stopped"]["text"]
+    for case in others:
+        _assert_matches_oracle(harness, case, results[case.name])
+
+
+def test_seeded_sampling_same_alone_and_batched(harness):
+    case = Case("seeded", "Write anything you like.", [make_image(40, 40, 7)], max_tokens=16)
+    sampling = dict(seed=1234)
+
+    def seeded(rid):
+        p = harness.prepare(case, rid, **sampling)
+        p.sampling.temperature, p.sampling.top_p = 0.9, 0.95
+        return p
+
+    alone = run_jobs(harness.engine, [(seeded("alone"), None, None)])["alone"]["tokens"]
+    noisy = []
+    for i, c in enumerate(_cases()[:4]):
+        p = harness.prepare(c, f"noise-{i}", seed=None)
+        p.sampling.temperature, p.sampling.top_k = 1.0, 5
+        noisy.append((p, None, None))
+    batched = run_jobs(harness.engine, [(seeded("batched"), None, None)] + noisy)["batched"]["tokens"]
+    assert alone == batched
+    again = run_jobs(harness.engine, [(seeded("again"), None, None)])["again"]["tokens"]
+    assert again == alone
