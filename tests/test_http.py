@@ -179,3 +179,33 @@ def test_queue_full_answers_503_with_retry_after(start_server):
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "server_busy"
         assert all(f.result().status_code == 200 for f in running)
+
+
+def test_fault_in_prefill_fails_only_that_request(server):
+    client = server.client(max_retries=0)
+
+    def fault(phase, states):
+        if phase == "prefill" and any(s.request.num_images == 2 for s in states):
+            raise RuntimeError("bad prefill")
+
+    server.scheduler.fault_hook = fault
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            bad = pool.submit(chat, client, image_message("two", make_image(30, 30), make_image(40, 40)), max_tokens=5)
+            good = pool.submit(chat, client, image_message("one", make_image(30, 30)), max_tokens=5)
+            with pytest.raises(openai.InternalServerError):
+                bad.result()
+            assert good.result().usage.completion_tokens == 5
+    finally:
+        server.scheduler.fault_hook = None
+
+
+def test_request_timeout_stops_generation(start_server):
+    server = start_server("gemma3", request_timeout_s=0.3)
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "forever"}], "max_tokens": 100000 // 1000 * 50,
+        "ignore_eos": True,
+    }, timeout=30)
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "timeout"
+    assert server.engine.in_flight == 0
