@@ -15,6 +15,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..config import ServerConfig
 from ..engine.engine import Engine
 from .chat import chat_completions
+from .completions import completions
+from .metrics import metrics_endpoint
 from .errors import APIError
 from .state import AppState
 
@@ -45,6 +47,7 @@ async def models(request: Request) -> JSONResponse:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    request.app.state.vlm.metrics.requests.labels(f"rejected_{exc.status}").inc()
     return exc.response()
 
 
@@ -83,6 +86,8 @@ def create_app(engine: Engine, config: ServerConfig) -> ASGIApp:
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
         ],
         exception_handlers={
             APIError: _api_error,

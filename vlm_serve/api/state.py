@@ -16,6 +16,8 @@ from ..engine.types import PreparedRequest
 from ..preprocess.media import MediaError, MediaPolicy
 from ..preprocess.prompt import PromptContext, PromptError
 from .errors import APIError, bad_request
+from .metrics import Metrics
+from .output import OutputProcessor
 
 
 class AppState:
@@ -39,6 +41,12 @@ class AppState:
             max_images=config.limit_mm_per_prompt,
         )
         self.started = int(time.time())
+        self.metrics = Metrics(lambda: engine.scheduler.stats())
+        self.heartbeat_s = 5.0
+        self._token_texts: dict[int, str] = {}
+
+    def output_processor(self, chat) -> OutputProcessor:
+        return OutputProcessor()
 
     async def run_cpu(self, fn, *args):
         """Run CPU-bound preprocessing on the pool; client-caused failures become 400s."""
@@ -84,9 +92,11 @@ class AppState:
                 headers={"Retry-After": "1"},
             ) from exc
 
-    @functools.lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
-        return self.loaded.tokenizer.decode([token_id])
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.loaded.tokenizer.decode([token_id])
+        return text
 
 
 async def read_json(request: Request, limit: int):

@@ -33,6 +33,10 @@ class Batch:
     def __len__(self) -> int:
         return len(self.row_states)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache) if self.cache else 0
+
     def add(self, row_cache: list, sampler: BatchSampler, first_token: int, state: dict) -> None:
         """Append a prefilled row (its cache, its one-row sampler, its first token)."""
         joining = [_to_batch_cache(c) for c in row_cache]

@@ -95,6 +95,15 @@ class Scheduler:
         # requests that phase is about to touch.
         self.fault_hook: Callable[[str, list[RequestState]], None] | None = None
         self._stats = {"generated": 0, "since": time.monotonic()}
+        self.kv_cache_bytes = 0
+
+    def stats(self) -> dict:
+        """A snapshot for metrics; safe to read from another thread."""
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting) + len(self.prefilling),
+            "kv_cache_bytes": self.kv_cache_bytes,
+        }
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -215,6 +224,7 @@ class Scheduler:
         self.batch.keep(keep)
         self.running = [touched[i] for i in keep]
         self._stats["generated"] += len(touched)
+        self.kv_cache_bytes = self.batch.nbytes
 
     def _evaluate(self, out, states: list[RequestState]):
         """Bring the sampled tokens (and logprobs where asked) to the host."""

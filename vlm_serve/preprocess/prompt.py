@@ -100,10 +100,14 @@ def render_chat(
         raise PromptError(f"could not render the chat template: {exc}", "messages") from exc
 
 
-def tokenize(ctx: PromptContext, prompt: str, images: list) -> tuple[np.ndarray, dict]:
-    """Token ids and other model inputs, exactly as mlx-vlm's ``prepare_inputs`` makes them."""
+def tokenize(
+    ctx: PromptContext, prompt: str, images: list, add_special: bool | None = None
+) -> tuple[np.ndarray, dict]:
+    """Token ids and other model inputs, exactly as mlx-vlm's ``prepare_inputs`` makes them.
+    ``add_special`` (BOS and the like) defaults to what mlx-vlm does after a chat template."""
     processor = ctx.processor
-    add_special = should_add_special_tokens(ctx.model_type, processor)
+    if add_special is None:
+        add_special = should_add_special_tokens(ctx.model_type, processor)
     if not images:
         tokenizer = getattr(processor, "tokenizer", processor)
         ids = tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
@@ -139,10 +143,15 @@ def prepare_chat(
 
 
 def prepare_prompt(
-    ctx: PromptContext, request_id: str, prompt: str, sampling: SamplingParams, images=()
+    ctx: PromptContext,
+    request_id: str,
+    prompt: str,
+    sampling: SamplingParams,
+    images=(),
+    add_special_tokens: bool | None = None,
 ) -> PreparedRequest:
     try:
-        ids, model_inputs = tokenize(ctx, prompt, list(images))
+        ids, model_inputs = tokenize(ctx, prompt, list(images), add_special_tokens)
     except (MediaError, PromptError):
         raise
     except Exception as exc:  # the processor rejected these inputs

@@ -1,0 +1,101 @@
+"""What chat and text completions share: starting a generation, waiting for its end,
+and streaming it as server-sent events with heartbeats and in-band errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from ..engine.types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
+from .errors import APIError
+from .responses import SSE_DONE, SSE_HEARTBEAT, sse
+from .state import AppState
+
+HEARTBEAT_S = 5.0
+
+
+def start(state: AppState, prepared: PreparedRequest) -> AsyncIterator[GenerationEvent]:
+    """Submit to the engine; the events come back with metrics recorded."""
+    arrived = time.monotonic()
+    return state.metrics.observe(state.submit(prepared), arrived)
+
+
+def error_of(event: GenerationEvent) -> APIError | None:
+    if event.finish_reason == FinishReason.ERROR:
+        return APIError(500, event.error or "generation failed", code="generation_error")
+    if event.finish_reason == FinishReason.TIMEOUT:
+        return APIError(504, event.error or "request timed out", code="timeout")
+    if event.finish_reason == FinishReason.CANCELLED:
+        return APIError(503, event.error or "request was cancelled", code="cancelled")
+    return None
+
+
+@dataclass
+class Finished:
+    text: str
+    final: GenerationEvent
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+async def run_to_end(events: AsyncIterator[GenerationEvent]) -> Finished:
+    text, logprobs, final = [], [], None
+    async for event in events:
+        error = error_of(event)
+        if error is not None:
+            raise error
+        text.append(event.text)
+        logprobs += event.logprobs
+        final = event
+    return Finished("".join(text), final, logprobs)
+
+
+async def with_heartbeats(events: AsyncIterator, interval: float) -> AsyncIterator:
+    """Yield the events, and None whenever ``interval`` passes without one (e.g. during
+    a long prefill), so the caller can keep the connection visibly alive."""
+    iterator = events.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield event
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await iterator.aclose()
+
+
+async def stream_sse(
+    events: AsyncIterator[GenerationEvent],
+    chunks_for: Callable[[GenerationEvent], list[bytes]],
+    final_chunks: Callable[[GenerationEvent], list[bytes]],
+    heartbeat_s: float = HEARTBEAT_S,
+) -> AsyncIterator[bytes]:
+    """SSE bytes: per-event chunks, the closing chunks, then ``[DONE]``. A failure is an
+    error event in OpenAI's envelope followed by ``[DONE]``."""
+    async for event in with_heartbeats(events, heartbeat_s):
+        if event is None:
+            yield SSE_HEARTBEAT
+            continue
+        error = error_of(event)
+        if error is not None:
+            yield sse(error.body())
+            break
+        for chunk in chunks_for(event):
+            yield chunk
+        if event.finished:
+            for chunk in final_chunks(event):
+                yield chunk
+    yield SSE_DONE
