@@ -37,7 +37,10 @@ class Prefill:
         """Materialize the prepared numpy inputs and run the vision tower."""
         req = self.request
         self.input_ids = mx.array(req.input_ids, dtype=mx.int32)[None]
-        inputs = {k: mx.array(v) for k, v in req.model_inputs.items()}
+        inputs = {
+            k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
+            for k, v in req.model_inputs.items()
+        }
         self.embeds, self.kwargs = self.adapter.embed(self.input_ids, inputs)
         self.chunked = self.adapter.can_chunk_prefill(
             self.input_ids, self.embeds, self.cache, self.kwargs

@@ -51,8 +51,9 @@ class PreparedRequest:
     request_id: str
     input_ids: np.ndarray  # (L,) int32
     sampling: SamplingParams
-    # Processor outputs other than input ids (pixel_values, image_grid_thw, ...).
-    model_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    # Processor outputs other than input ids (pixel_values, image_grid_thw, ...); a list
+    # where images of different sizes cannot be stacked.
+    model_inputs: dict[str, np.ndarray | list[np.ndarray]] = field(default_factory=dict)
     num_images: int = 0
     image_digests: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() after which the row is stopped

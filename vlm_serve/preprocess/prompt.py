@@ -118,9 +118,19 @@ def tokenize(
     )
     if "images" in inputs:
         inputs["pixel_values"] = inputs.pop("images")
-    ids = np.asarray(inputs.pop("input_ids"), dtype=np.int32).reshape(-1)
-    model_inputs = {k: np.asarray(v) for k, v in inputs.items() if v is not None}
+    ids = _to_numpy(inputs.pop("input_ids")).astype(np.int32).reshape(-1)
+    model_inputs = {k: _to_numpy(v) for k, v in inputs.items() if v is not None}
     return ids, model_inputs
+
+
+def _to_numpy(value):
+    """Processor outputs as numpy. Some processors (e.g. mlx-vlm's Gemma 4) return MLX
+    arrays whatever ``return_tensors`` says; they are read back here, on the thread that
+    made them, so no MLX array ever crosses to the worker. Images of different sizes
+    stay a list of arrays."""
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float)):
+        return [_to_numpy(v) for v in value]
+    return np.asarray(value)
 
 
 def prepare_chat(
