@@ -25,7 +25,7 @@ async def chat_completions(request: Request) -> Response:
     completion_id = new_id("chatcmpl")
     prepared = await state.run_cpu(
         prepare_chat, state.prompt_context, completion_id, chat.messages, chat.sampling,
-        chat.tools, chat.chat_template_kwargs,
+        chat.active_tools, chat.chat_template_kwargs,
     )
     state.apply_limits(prepared, chat.max_tokens)
     events = start(state, prepared)

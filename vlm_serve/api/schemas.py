@@ -51,8 +51,18 @@ class ChatRequest:
     max_tokens: int | None
     sampling: SamplingParams
     tools: list[dict] = field(default_factory=list)
-    tool_choice: Any = "auto"
+    tool_choice: Any = "none"
     chat_template_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def active_tools(self) -> list[dict]:
+        """The tools the model is shown: none for "none", only the named one if named."""
+        if self.tool_choice == "none":
+            return []
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            return [t for t in self.tools if t["function"]["name"] == name]
+        return self.tools
 
 
 def _check_messages(messages: Any) -> list[dict]:
@@ -194,6 +204,40 @@ def _response_format(body: dict) -> None:
     raise bad_request(f"unknown response_format type {kind!r}", "response_format.type")
 
 
+def _tools(body: dict) -> list[dict]:
+    tools = _get(body, "tools", (list,), [])
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"'{where}.function.name' must be a non-empty string", f"{where}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object",
+                              f"{where}.function.parameters", "invalid_type")
+    return tools
+
+
+def _tool_choice(body: dict, tools: list[dict]):
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs 'tools'", "tool_choice")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise bad_request(
+            "'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+            "\"function\": {\"name\": ...}}", "tool_choice",
+        )
+    if name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
+    return {"type": "function", "function": {"name": name}}
+
+
 def parse_chat_request(body: Any, vocab_size: int) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
@@ -205,7 +249,7 @@ def parse_chat_request(body: Any, vocab_size: int) -> ChatRequest:
     include_usage = bool(stream_options.get("include_usage", False))
     sampling, max_tokens = sampling_from(body, vocab_size)
     _response_format(body)
-    tools = _get(body, "tools", (list,), [])
+    tools = _tools(body)
     return ChatRequest(
         messages=messages,
         model=_get(body, "model", (str,), None),
@@ -214,6 +258,6 @@ def parse_chat_request(body: Any, vocab_size: int) -> ChatRequest:
         max_tokens=max_tokens,
         sampling=sampling,
         tools=tools,
-        tool_choice=body.get("tool_choice") or "auto",
+        tool_choice=_tool_choice(body, tools),
         chat_template_kwargs=_get(body, "chat_template_kwargs", (dict,), {}),
     )

@@ -17,7 +17,9 @@ from ..preprocess.media import MediaError, MediaPolicy
 from ..preprocess.prompt import PromptContext, PromptError
 from .errors import APIError, bad_request
 from .metrics import Metrics
+from ..tools import detect_parser, get_parser, tool_signatures
 from .output import OutputProcessor
+from .reasoning import GEMMA4
 
 
 class AppState:
@@ -39,14 +41,21 @@ class AppState:
                 allowed_local_path=config.allowed_local_media_path,
             ),
             max_images=config.limit_mm_per_prompt,
+            chat_template=self.loaded.chat_template,
         )
         self.started = int(time.time())
+        fmt = config.tool_call_parser or detect_parser(self.loaded.chat_template, self.loaded.model_type)
+        self.tool_parser = get_parser(fmt) if fmt else None
+        self.reasoning = GEMMA4 if self.loaded.model_type.startswith("gemma4") else None
         self.metrics = Metrics(lambda: engine.scheduler.stats())
         self.heartbeat_s = 5.0
         self._token_texts: dict[int, str] = {}
 
     def output_processor(self, chat) -> OutputProcessor:
-        return OutputProcessor()
+        tools = None
+        if chat.active_tools and self.tool_parser is not None:
+            tools = self.tool_parser.streaming(tool_signatures(chat.active_tools))
+        return OutputProcessor(self.reasoning, tools)
 
     async def run_cpu(self, fn, *args):
         """Run CPU-bound preprocessing on the pool; client-caused failures become 400s."""

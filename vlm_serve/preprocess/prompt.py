@@ -15,6 +15,7 @@ from mlx_vlm.utils import process_inputs, should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
 from .media import MediaError, MediaPolicy, image_digest, load_image
+from .tool_prompt import inline_tools, template_handles_tools
 
 
 class PromptError(ValueError):
@@ -31,6 +32,7 @@ class PromptContext:
     model_type: str
     media: MediaPolicy
     max_images: int
+    chat_template: str | None = None
 
 
 def _text_of(content) -> str:
@@ -148,6 +150,9 @@ def prepare_chat(
             "messages", "too_many_images",
         )
     images = [load_image(url, ctx.media, param=param) for url, param in image_refs]
+    uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if uses_tools and not template_handles_tools(ctx.chat_template):
+        hf_messages, tools = inline_tools(hf_messages, tools or []), None
     prompt = render_chat(ctx.processor, hf_messages, tools, template_kwargs)
     return prepare_prompt(ctx, request_id, prompt, sampling, images)
 

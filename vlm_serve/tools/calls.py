@@ -23,6 +23,8 @@ class ToolNames:
     """The request's declared functions, as far as parsing needs them."""
 
     def __init__(self, spec: ToolNamesSpec = None):
+        if isinstance(spec, str):
+            spec = [spec]
         if isinstance(spec, ToolNames):
             self.declared, self._params = spec.declared, spec._params
         elif spec is None:

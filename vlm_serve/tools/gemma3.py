@@ -14,8 +14,9 @@ Prose is full of ``word(...)``, so calls are only taken where they are unambiguo
 * when the whole output is nothing but items (bare, or in one ```` ``` ```` / ```` ```json ````
   fence): any name. Only known at the end of the output, so such calls stream at the end;
 * anywhere, when the request declared its tools (``tool_names``): an item whose every call
-  names a declared function, bare or in any fence. Then the whole-output rule is not used:
-  undeclared names are never calls outside a tool fence.
+  names a declared function, bare or in any fence (but not right after a backtick: that is
+  inline code). Then the whole-output rule is not used: undeclared names are never calls
+  outside a tool fence.
 
 A fence that held only calls is removed from the content; anything else stays content.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from .calls import ToolNames, build_args, read_call_object
+from .calls import ToolNames, ToolNamesSpec, build_args, read_call_object
 from .streaming import Step, StreamingToolParser, hold, parse_all
 from .types import ParsedOutput, RawCall
 from .values import Incomplete, Invalid, Reader
@@ -36,7 +37,7 @@ TOOL_FENCE_LANGS = frozenset({
 })
 _WHOLE_OUTPUT_FENCE_LANGS = frozenset({"", "json"})
 _NAME = re.compile(r"[A-Za-z_][\w\-]*(?:[.:][A-Za-z_][\w\-]*)*")
-_NAME_CHAR = re.compile(r"[\w.\-:]")
+_NAME_CHAR = re.compile(r"[\w.\-:`]")  # what may not come right before a call's name
 _LANG = re.compile(r"[\w\-]*")
 _FENCE = "```"
 _SEPARATORS = " \t\r\n,;"
@@ -154,7 +155,8 @@ class Gemma3Scanner:
         self._whole = not declared
         self._whole_rules = _Rules(names, any_name=True, fence_langs=_WHOLE_OUTPUT_FENCE_LANGS)
         self._rules = _Rules(names, any_name=False, fence_langs=None if declared else frozenset())
-        self._candidate = re.compile(r"`|\[|\{|(?<![\w.\-:])[A-Za-z_]" if declared else r"`")
+        # A name right after a backtick is inline code (`f(x)`), not a call.
+        self._candidate = re.compile(r"`|\[|\{|(?<![\w.\-:`])[A-Za-z_]" if declared else r"`")
 
     def scan(self, buf: str, prev: str, final: bool) -> Step | None:
         if self._whole:
@@ -168,7 +170,7 @@ class Gemma3Scanner:
         """The output so far as items only. Calls from tool fences at its head are
         emitted at once; any other call waits for the end of the output."""
         r = Reader(buf, eof=final)
-        items: list[tuple[int, int, list[RawCall], bool]] = []
+        items: list[tuple[int, int, list[RawCall], bool]] = []  # start, end, calls, tool fence
         try:
             while True:
                 _skip_separators(r)
@@ -177,9 +179,9 @@ class Gemma3Scanner:
                 start = r.pos
                 calls, tool_fence = read_item(r, self._whole_rules)
                 items.append((start, r.pos, calls, tool_fence))
-        except Incomplete:
-            final = False  # (never raised when final)
-        if final:
+        except Incomplete:  # only when not final
+            pass
+        if final:  # the whole output was items: all of them are calls
             head = buf[:items[0][0]] if items else buf
             return Step(consumed=len(buf), text=head, calls=[c for i in items for c in i[2]])
         eager = 0
@@ -226,7 +228,7 @@ class Gemma3Scanner:
                 continue
             if c in "[{":
                 return p, False
-            if p == 0 and prev and _NAME_CHAR.match(prev):  # inside a word
+            if p == 0 and prev and _NAME_CHAR.match(prev):  # inside a word, or inline code
                 pos = _NAME.match(buf, p).end()
                 continue
             name = _NAME.match(buf, p)
@@ -245,12 +247,12 @@ class Gemma3Parser:
 
     name = "gemma3"
 
-    def streaming(self, tool_names=None) -> StreamingToolParser:
+    def streaming(self, tool_names: ToolNamesSpec = None) -> StreamingToolParser:
         # Calls without an end marker are only seen to end by parsing them, so a long
         # held item is re-parsed only after it grew by an eighth.
         return StreamingToolParser(Gemma3Scanner(ToolNames(tool_names)), rescan_growth=1.125)
 
-    def parse(self, text: str, tool_names=None) -> ParsedOutput:
+    def parse(self, text: str, tool_names: ToolNamesSpec = None) -> ParsedOutput:
         return parse_all(self.streaming(tool_names), text)
 
 

@@ -46,9 +46,9 @@ def hold(buf: str, p: int) -> Step | None:
 class _ContentJoiner:
     """Joins the content around calls: whitespace that only separated text from calls goes.
 
-    Text before and after a run of calls is joined by the whitespace that preceded the run
-    (else the whitespace after it); whitespace at the start before a call or at the end after
-    one is dropped. With no calls the content is the text, unchanged. Whitespace is held
+    Text before and after a run of calls is joined by the whitespace before or after the run,
+    whichever has more line breaks (before, on a tie); whitespace at the start before a call
+    or at the end after one is dropped. With no calls the content is the text, unchanged. Whitespace is held
     back until the next visible text shows where it belongs.
     """
 
@@ -68,7 +68,8 @@ class _ContentJoiner:
         if self._before_calls is None:
             sep = around
         else:
-            sep = (self._before_calls or around) if self._started else ""
+            # the more line-breaking of the whitespace before and after the calls
+            sep = max(self._before_calls, around, key=lambda w: w.count("\n")) if self._started else ""
             self._before_calls = None
         self._pending = trail
         self._started = True
@@ -168,7 +169,8 @@ class StreamingToolParser:
             self._joiner.call()
             index = self._calls
             self._calls += 1
-            events.append(ToolCallDelta(index=index, id=new_call_id(), name=call.name, arguments=""))
+            events.append(ToolCallDelta(index=index, id=new_call_id(), name=call.name, arguments="",
+                                        type="function"))
             events.append(ToolCallDelta(index=index, arguments=arguments))
         self._content(step.after, events)
 

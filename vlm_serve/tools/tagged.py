@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .calls import ToolNames, build_args, read_call_object
+from .calls import ToolNames, ToolNamesSpec, build_args, read_call_object
 from .streaming import Step, StreamingToolParser, hold, parse_all
 from .types import ParsedOutput, RawCall
 from .values import Invalid, Reader
@@ -44,8 +44,16 @@ class TaggedScanner:
     def __init__(self, fmt: TaggedFormat, names: ToolNames):
         self.fmt = fmt
         self.names = names
+        self._after_end = False
 
     def scan(self, buf: str, prev: str, final: bool) -> Step | None:
+        if self._after_end:  # drop a wait-for-response marker right after a call
+            if buf.startswith(self.fmt.response):
+                self._after_end = False
+                return Step(consumed=len(self.fmt.response))
+            if not final and self.fmt.response.startswith(buf):
+                return None
+            self._after_end = False
         pos = 0
         while True:
             found = self._next(buf, pos, prev, final)
@@ -94,21 +102,16 @@ class TaggedScanner:
         return best
 
     def _region(self, buf: str, body_start: int, final: bool) -> tuple[int, int] | None:
-        """(end of body, end of region) from ``body_start``; None: not decided yet."""
+        """(end of body, end of region) from ``body_start``; None: not decided yet.
+        The region ends at (and takes) the end marker or the wait-for-response marker, or
+        ends before the next start marker, or at the end of the output."""
         fmt = self.fmt
         ends = [(i, i + len(m)) for m, i in ((fmt.end, buf.find(fmt.end, body_start)),
                                              (fmt.response, buf.find(fmt.response, body_start)),
                                              ("", buf.find(fmt.start, body_start))) if i >= 0]
         if not ends:
             return None if not final else (len(buf), len(buf))
-        body_end, region_end = min(ends)
-        if buf.startswith(fmt.end, body_end):  # a wait-for-response marker right after
-            rest = buf[region_end:region_end + len(fmt.response)]
-            if rest == fmt.response:
-                region_end += len(fmt.response)
-            elif not final and fmt.response.startswith(rest):
-                return None
-        return body_end, region_end
+        return min(ends)
 
     def _hard(self, buf: str, p: int, final: bool) -> Step | str:
         region = self._region(buf, p + len(self.fmt.start), final)
@@ -118,6 +121,7 @@ class TaggedScanner:
         calls, junk = self._calls(buf[p + len(self.fmt.start):body_end])
         if not calls:  # not a call after all: keep every character
             return Step(consumed=region_end, text=buf[:region_end])
+        self._after_end = buf.startswith(self.fmt.end, body_end)
         return Step(consumed=region_end, text=buf[:p], calls=calls, after=junk)
 
     def _soft(self, buf: str, p: int, final: bool) -> Step | str | None:
@@ -138,6 +142,7 @@ class TaggedScanner:
         calls, junk = self._calls(buf[p:body_end])
         if not calls or junk:
             return None
+        self._after_end = buf.startswith(self.fmt.end, body_end)
         return Step(consumed=region_end, text=buf[:p], calls=calls)
 
     def _calls(self, body: str) -> tuple[list[RawCall], str]:
@@ -190,8 +195,8 @@ class TaggedParser:
         self.name = name
         self.format = fmt
 
-    def streaming(self, tool_names=None) -> StreamingToolParser:
+    def streaming(self, tool_names: ToolNamesSpec = None) -> StreamingToolParser:
         return StreamingToolParser(TaggedScanner(self.format, ToolNames(tool_names)))
 
-    def parse(self, text: str, tool_names=None) -> ParsedOutput:
+    def parse(self, text: str, tool_names: ToolNamesSpec = None) -> ParsedOutput:
         return parse_all(self.streaming(tool_names), text)

@@ -43,15 +43,20 @@ class ContentDelta:
 class ToolCallDelta:
     """One OpenAI ``delta.tool_calls[]`` entry.
 
-    The first delta of a call carries ``index``, ``id`` and ``name`` (and ``arguments=""``),
-    the server adds ``type: "function"`` to it; later deltas carry only ``index`` and an
-    ``arguments`` fragment. The fragments of a call concatenate to its final arguments JSON.
+    The first delta of a call carries ``index``, ``id``, ``type="function"``, ``name`` and
+    ``arguments=""``; later deltas carry only ``index`` and an ``arguments`` fragment. The
+    fragments of a call concatenate to its final arguments JSON.
     """
 
     index: int
     id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    type: str | None = None
+
+    @property
+    def arguments_fragment(self) -> str | None:
+        return self.arguments
 
 
 StreamEvent = Union[ContentDelta, ToolCallDelta]
