@@ -20,7 +20,7 @@ from .state import AppState, read_json
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.vlm
     body = await read_json(request, state.config.max_request_bytes)
-    chat = parse_chat_request(body, state.loaded.vocab_size)
+    chat = parse_chat_request(body, state.loaded.vocab_size, state.loaded.sampling_defaults)
     state.check_model(chat.model)
     completion_id = new_id("chatcmpl")
     prepared = await state.run_cpu(

@@ -52,7 +52,8 @@ async def completions(request: Request) -> Response:
     legacy_lp = body.get("logprobs")
     if legacy_lp is not None and (isinstance(legacy_lp, bool) or not isinstance(legacy_lp, int) or not 0 <= legacy_lp <= 20):
         raise bad_request("'logprobs' must be an integer between 0 and 20", "logprobs")
-    sampling, max_tokens = sampling_from({k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}, state.loaded.vocab_size)
+    fields = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+    sampling, max_tokens = sampling_from(fields, state.loaded.vocab_size, state.loaded.sampling_defaults)
     if legacy_lp is not None:
         sampling.logprobs, sampling.top_logprobs = True, legacy_lp
     state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)

@@ -147,8 +147,13 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def sampling_from(body: dict, vocab_size: int) -> tuple[SamplingParams, int | None]:
-    """Sampling parameters shared by chat and text completions."""
+def sampling_from(
+    body: dict, vocab_size: int, defaults: dict | None = None
+) -> tuple[SamplingParams, int | None]:
+    """Sampling parameters shared by chat and text completions. Fields the request leaves
+    out take the model's own defaults (its ``generation_config.json``), then OpenAI's."""
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+         **(defaults or {})}
     max_tokens = _get(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), None)
@@ -168,12 +173,12 @@ def sampling_from(body: dict, vocab_size: int) -> tuple[SamplingParams, int | No
     seed = _get(body, "seed", (int,), None)
     params = SamplingParams(
         max_tokens=max_tokens or 0,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_get(body, "top_k", (int,), 0),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        temperature=_number(body, "temperature", d["temperature"], 0.0, 2.0),
+        top_p=_number(body, "top_p", d["top_p"], 0.0, 1.0),
+        top_k=_get(body, "top_k", (int,), d["top_k"]),
+        min_p=_number(body, "min_p", d["min_p"], 0.0, 1.0),
         seed=seed,
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        repetition_penalty=_number(body, "repetition_penalty", d["repetition_penalty"], 0.01, 10.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=logit_bias,
@@ -238,7 +243,7 @@ def _tool_choice(body: dict, tools: list[dict]):
     return {"type": "function", "function": {"name": name}}
 
 
-def parse_chat_request(body: Any, vocab_size: int) -> ChatRequest:
+def parse_chat_request(body: Any, vocab_size: int, defaults: dict | None = None) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
     if "messages" not in body:
@@ -247,7 +252,7 @@ def parse_chat_request(body: Any, vocab_size: int) -> ChatRequest:
     stream = _get(body, "stream", (bool,), False)
     stream_options = _get(body, "stream_options", (dict,), {})
     include_usage = bool(stream_options.get("include_usage", False))
-    sampling, max_tokens = sampling_from(body, vocab_size)
+    sampling, max_tokens = sampling_from(body, vocab_size, defaults)
     _response_format(body)
     tools = _tools(body)
     return ChatRequest(

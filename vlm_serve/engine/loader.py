@@ -26,6 +26,8 @@ class LoadedModel:
     max_model_len: int
     chat_template: str | None
     detokenizer: Any
+    sampling_defaults: dict
+
 
     @property
     def tokenizer(self):
@@ -51,6 +53,18 @@ def _eos_ids(model, processor, path: Path) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def _sampling_defaults(path: Path) -> dict:
+    """The checkpoint's recommended sampling settings (``generation_config.json``)."""
+    gen_config = path / "generation_config.json"
+    if not gen_config.exists():
+        return {}
+    config = json.loads(gen_config.read_text())
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: config[k] for k in keys if isinstance(config.get(k), (int, float))}
 
 
 def _max_model_len(model) -> int:
@@ -93,6 +107,7 @@ def load(model: str) -> LoadedModel:
         vocab_size=vocab_size,
         max_model_len=_max_model_len(vlm_model),
         chat_template=_chat_template(processor),
+        sampling_defaults=_sampling_defaults(path),
         detokenizer=make_detokenizer(path, getattr(processor, "tokenizer", processor)),
     )
     log.info(
