@@ -28,7 +28,9 @@ class Batch:
         self.row_states: list[dict[str, Any]] = []
         self.cache: list | None = None
         self.sampler = BatchSampler(vocab_size)
-        self.last_tokens: list[int] = []
+        # The input of the next step: one token per row, possibly still being computed
+        # by the step in flight (so the next step can be queued before it finishes).
+        self.next_tokens: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.row_states)
@@ -47,7 +49,8 @@ class Batch:
                 mine.extend(theirs)
         self.sampler.extend(sampler)
         self.row_states.append(state)
-        self.last_tokens.append(first_token)
+        first = mx.array([first_token], mx.int32)
+        self.next_tokens = first if self.next_tokens is None else mx.concatenate([self.next_tokens, first])
 
     def keep(self, indices: list[int]) -> None:
         """Keep the rows at ``indices``; everything else leaves the batch now."""
@@ -56,21 +59,24 @@ class Batch:
         if not indices:
             self.reset()
             return
+        idx = mx.array(indices, mx.int32)
         for c in self.cache:
-            c.filter(mx.array(indices, mx.int32))
+            c.filter(idx)
         self.sampler.keep(indices)
         self.row_states = [self.row_states[i] for i in indices]
-        self.last_tokens = [self.last_tokens[i] for i in indices]
+        self.next_tokens = self.next_tokens[idx]
 
     def reset(self) -> None:
         self.cache = None
         self.sampler = BatchSampler(self.vocab_size)
         self.row_states = []
-        self.last_tokens = []
+        self.next_tokens = None
 
     def step(self) -> SampleOutput:
-        """One decode step for all rows: returns the sampled tokens (not yet evaluated)."""
-        inputs = mx.array(self.last_tokens, mx.int32)[:, None]
+        """Queue one decode step for all rows. Nothing is evaluated here: the returned
+        tokens are lazy and already feed the step after this one."""
         kwargs = self.adapter.decode_kwargs(self.cache, self.row_states)
-        out = self.model.language_model(inputs, cache=self.cache, **kwargs)
-        return self.sampler.sample(out.logits[:, -1, :])
+        out = self.model.language_model(self.next_tokens[:, None], cache=self.cache, **kwargs)
+        sample = self.sampler.sample(out.logits[:, -1, :])
+        self.next_tokens = sample.tokens
+        return sample

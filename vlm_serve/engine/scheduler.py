@@ -53,10 +53,20 @@ class RequestState:
     generated: int = 0
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    done: bool = False
 
     @property
     def id(self) -> str:
         return self.request.request_id
+
+
+@dataclass
+class Step:
+    """A queued decode step: its lazy outputs and the rows it was queued for."""
+
+    out: object
+    states: list[RequestState]
+    extras: tuple = ()
 
 
 @dataclass
@@ -90,6 +100,7 @@ class Scheduler:
         self.running: list[RequestState] = []
         self.batch = Batch(model, adapter, vocab_size)
         self._outbox: list[GenerationEvent] = []
+        self._inflight: Step | None = None
         self._stopping = False
         # Tests set this to inject a failure: called with the phase name and the
         # requests that phase is about to touch.
@@ -109,13 +120,13 @@ class Scheduler:
 
     def run(self) -> None:
         while not self._stopping:
-            idle = not (self.waiting or self.prefilling or self.running)
+            idle = not (self.waiting or self.prefilling or self.running or self._inflight)
             self._drain_inbox(block=idle)
             self._expire_deadlines()
             self._admit()
             if self.prefilling:
                 self._prefill_step()
-            if self.running:
+            if self.running or self._inflight:
                 self._decode_step()
             self._flush()
             self._log_stats()
@@ -151,11 +162,9 @@ class Scheduler:
                     queue_.remove(state)
                     self._finish(state, reason, error=error)
                     return
-        for i, state in enumerate(self.running):
+        for state in self.running:
             if state.id == request_id:
-                keep = [j for j in range(len(self.running)) if j != i]
-                self.batch.keep(keep)
-                self.running = [self.running[j] for j in keep]
+                self._drop([state])
                 self._finish(state, reason, error=error)
                 return
 
@@ -188,7 +197,7 @@ class Scheduler:
             sampler = BatchSampler(self.vocab_size)
             sampler.add(state.request.sampling, state.request.input_ids.tolist())
             out = sampler.sample(state.prefill.logits)
-            token, logprobs = self._evaluate(out, [state])
+            token, logprobs = self._read(out, [state], self._logprob_arrays(out, [state]))
             prefill, state.prefill = state.prefill, None
             if not self._accept(state, token[0], logprobs[0]):
                 row_state = self.adapter.row_state(prefill.kwargs)
@@ -203,46 +212,77 @@ class Scheduler:
     # -- decode -----------------------------------------------------------------------
 
     def _decode_step(self) -> None:
-        touched = list(self.running)
+        """Queue the next batched step, then read back the one queued last time.
+
+        The step in flight takes its input tokens lazily from the step before, so the
+        device never waits for Python's bookkeeping (detokenizing, stop checks, events).
+        A row that finishes is dropped one step late; that one step is discarded.
+        """
         try:
-            if self.fault_hook:
-                self.fault_hook("decode", touched)
-            out = self.batch.step()
-            tokens, logprobs = self._evaluate(out, touched)
-        except Exception as exc:  # noqa: BLE001 - fail this step's rows, keep serving
+            launched = self._launch() if self.running else None
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                self._process(previous)
+        except Exception as exc:  # noqa: BLE001 - fail the batch's rows, keep serving
+            touched = {id(s): s for s in self.running}
+            for step in (self._inflight,):
+                if step is not None:
+                    touched.update({id(s): s for s in step.states})
             log.exception("decode step failed for %d requests", len(touched))
             self.batch.reset()
             self.running = []
-            for state in touched:
-                self._finish(state, FinishReason.ERROR, error=f"decode step failed: {exc}")
-            return
-        keep = []
-        for i, state in enumerate(touched):
-            if not self._accept(state, tokens[i], logprobs[i]):
-                keep.append(i)
-                self.batch.last_tokens[i] = tokens[i]
-        self.batch.keep(keep)
-        self.running = [touched[i] for i in keep]
-        self._stats["generated"] += len(touched)
+            self._inflight = None
+            for state in touched.values():
+                if not state.done:
+                    self._finish(state, FinishReason.ERROR, error=f"decode step failed: {exc}")
+
+    def _launch(self) -> "Step":
+        states = list(self.running)
+        if self.fault_hook:
+            self.fault_hook("decode", states)
+        out = self.batch.step()
+        extras = self._logprob_arrays(out, states)
+        mx.async_eval(out.tokens, *extras)
+        return Step(out, states, extras)
+
+    def _process(self, step: "Step") -> None:
+        tokens, logprobs = self._read(step.out, step.states, step.extras)
+        finished = []
+        for i, state in enumerate(step.states):
+            if state.done:
+                continue  # left the batch after this step was queued
+            if self._accept(state, tokens[i], logprobs[i]):
+                finished.append(state)
+        self._stats["generated"] += len(step.states)
+        if finished:
+            self._drop(finished)
         self.kv_cache_bytes = self.batch.nbytes
 
-    def _evaluate(self, out, states: list[RequestState]):
-        """Bring the sampled tokens (and logprobs where asked) to the host."""
-        k = max((s.request.sampling.top_logprobs for s in states), default=0)
-        want = any(s.request.sampling.logprobs for s in states)
-        if not want:
-            mx.eval(out.tokens)
-            return out.tokens.tolist(), [None] * len(states)
-        chosen, ids, vals = top_logprobs(out.logprobs, out.tokens, k)
-        mx.eval(out.tokens, chosen, ids, vals)
-        tokens, chosen, ids, vals = out.tokens.tolist(), chosen.tolist(), ids.tolist(), vals.tolist()
+    def _drop(self, states: list[RequestState]) -> None:
+        gone = {id(s) for s in states}
+        keep = [i for i, s in enumerate(self.running) if id(s) not in gone]
+        self.batch.keep(keep)
+        self.running = [self.running[i] for i in keep]
+
+    def _logprob_arrays(self, out, states: list[RequestState]) -> tuple:
+        if not any(s.request.sampling.logprobs for s in states):
+            return ()
+        k = max(s.request.sampling.top_logprobs for s in states)
+        return top_logprobs(out.logprobs, out.tokens, k)
+
+    def _read(self, out, states: list[RequestState], extras: tuple):
+        """Bring sampled tokens (and logprobs where asked) to the host."""
+        tokens = out.tokens.tolist()
+        if not extras:
+            return tokens, [None] * len(states)
+        chosen, ids, vals = (a.tolist() for a in extras)
         logprobs = []
         for i, s in enumerate(states):
-            if not s.request.sampling.logprobs:
-                logprobs.append(None)
-                continue
             n = s.request.sampling.top_logprobs
-            logprobs.append(TokenLogprob(tokens[i], chosen[i], list(zip(ids[i][:n], vals[i][:n]))))
+            logprobs.append(
+                TokenLogprob(tokens[i], chosen[i], list(zip(ids[i][:n], vals[i][:n])))
+                if s.request.sampling.logprobs else None
+            )
         return tokens, logprobs
 
     # -- per-token bookkeeping ----------------------------------------------------------
@@ -286,6 +326,7 @@ class Scheduler:
         logprob: TokenLogprob | None = None,
         error: str | None = None,
     ) -> None:
+        state.done = True
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             text += state.text.finish()
         now = time.monotonic()
@@ -326,6 +367,7 @@ class Scheduler:
         self.waiting.clear()
         self.prefilling.clear()
         self.running = []
+        self._inflight = None
         self.batch.reset()
 
     def _flush(self) -> None:
