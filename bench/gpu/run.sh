@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU benchmark run, three columns: the engine envelope (plain forward passes),
+# vlm-serve and mlx-vlm's own server, on the same random-weight model directory and the
+# same requests: one 896x896 image and ~64 text tokens in, 256 tokens out, at
+# concurrency 1, 8, 32, 64, 128. Results (JSON, plot, logs) go to $OUT.
+#   bash bench/gpu/run.sh [preset]        (default gemma3-4b)
+set -uo pipefail
+PRESET=${1:-gemma3-4b}
+ARCH=${ARCH:-${PRESET%%-*}}
+OUT=${OUT:-bench/results/gpu}
+SWEEP=${SWEEP:-1,8,32,64,128}
+PER_LEVEL=${PER_LEVEL:-2}
+MODEL=/tmp/vlm-bench-$PRESET
+export PYTHONPATH=$PWD
+mkdir -p "$OUT"
+
+[ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
+python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
+
+python3 bench/envelope.py --model "$MODEL" --batch-sizes "$SWEEP" --context 320 \
+    --result-json "$OUT/envelope.json" > "$OUT/envelope.log" 2>&1
+
+wait_up() {
+  for _ in $(seq 600); do
+    curl -sf "$1" >/dev/null && return 0
+    sleep 0.5
+  done
+  return 1
+}
+
+sweep() {  # label base_url
+  python3 bench/serve.py --base-url "$2" --model "$MODEL" --label "$1" \
+      --concurrency-sweep "$SWEEP" --num-prompts-per-concurrency "$PER_LEVEL" --warmup 4 \
+      --image-size 896x896 --images-per-request 1 --prompt-tokens 64 --max-tokens 256 \
+      --result-json "$OUT/$1.json" > "$OUT/$1.bench.log" 2>&1
+  tail -8 "$OUT/$1.bench.log"
+}
+
+python3 -m vlm_serve.cli --model "$MODEL" --served-model-name "$MODEL" --port 8000 \
+    --max-num-seqs 128 --max-queue-size 1024 --log-level info > "$OUT/vlm-serve.server.log" 2>&1 &
+pid=$!
+wait_up http://127.0.0.1:8000/health && sweep vlm-serve http://127.0.0.1:8000/v1
+kill $pid; wait $pid 2>/dev/null
+
+if [ -z "${SKIP_MLX_VLM:-}" ]; then
+  python3 -m mlx_vlm.server --model "$MODEL" --port 8080 --max-num-seqs 128 \
+      > "$OUT/mlx-vlm.server.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8080/health && sweep mlx-vlm http://127.0.0.1:8080/v1
+  kill $pid; wait $pid 2>/dev/null
+fi
+
+python3 bench/plot.py "$OUT"/vlm-serve.json "$OUT"/mlx-vlm.json -o "$OUT/plot.png" 2>/dev/null || true
+ls -la "$OUT"
