@@ -49,7 +49,10 @@ class Harness:
     """An engine and an oracle copy of one architecture's tiny model."""
 
     def __init__(self, path: str, max_num_seqs: int = 16):
-        self.engine = Engine(path, SchedulerConfig(max_num_seqs=max_num_seqs, prefill_step_size=PREFILL_STEP))
+        # A budget of one chunk: long prompts are prefilled across several decode steps.
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, prefill_step_size=PREFILL_STEP,
+                                 prefill_token_budget=PREFILL_STEP)
+        self.engine = Engine(path, config)
         self.engine.start()
         loaded = self.engine.loaded
         self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8)

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_tokens when a request does not set it")
     g.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
                    help="prompt tokens per prefill chunk, interleaved with decode steps")
+    g.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget,
+                   help="prompt tokens prefilled between two decode steps (higher: faster "
+                        "first tokens for new requests; lower: smoother running streams)")
     g.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
                    help="seconds after which a request is stopped with a timeout error")
     g = p.add_argument_group("requests and media")

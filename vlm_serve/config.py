@@ -20,6 +20,7 @@ class ServerConfig:
     max_model_len: int | None = None  # None: from the model config
     default_max_tokens: int = 1024
     prefill_step_size: int = 512
+    prefill_token_budget: int = 2048
     request_timeout_s: float | None = None
     cpu_workers: int = 4
 

@@ -36,6 +36,7 @@ def build_engine(config: ServerConfig) -> Engine:
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             prefill_step_size=config.prefill_step_size,
+            prefill_token_budget=config.prefill_token_budget,
         ),
         max_queue=config.max_queue_size,
     )

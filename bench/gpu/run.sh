@@ -4,6 +4,8 @@
 # same requests: one 896x896 image and ~64 text tokens in, 256 tokens out, at
 # concurrency 1, 8, 32, 64, 128. Results (JSON, plot, logs) go to $OUT.
 #   bash bench/gpu/run.sh [preset]        (default gemma3-4b)
+# SERVERS picks the columns (default "envelope vlm-serve mlx-vlm"); SWEEP and PER_LEVEL
+# set the concurrency levels and requests per unit of concurrency.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -18,8 +20,13 @@ mkdir -p "$OUT"
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
 
-python3 bench/envelope.py --model "$MODEL" --batch-sizes "$SWEEP" --context 320 \
-    --result-json "$OUT/envelope.json" > "$OUT/envelope.log" 2>&1
+SERVERS=${SERVERS:-envelope vlm-serve mlx-vlm}
+has() { [[ " $SERVERS " == *" $1 "* ]]; }
+
+if has envelope; then
+  python3 bench/envelope.py --model "$MODEL" --batch-sizes "$SWEEP" --context 320 \
+      --result-json "$OUT/envelope.json" > "$OUT/envelope.log" 2>&1
+fi
 
 wait_up() {
   for _ in $(seq 600); do
@@ -37,13 +44,15 @@ sweep() {  # label base_url
   tail -8 "$OUT/$1.bench.log"
 }
 
-python3 -m vlm_serve.cli --model "$MODEL" --served-model-name "$MODEL" --port 8000 \
-    --max-num-seqs 128 --max-queue-size 1024 --log-level info > "$OUT/vlm-serve.server.log" 2>&1 &
-pid=$!
-wait_up http://127.0.0.1:8000/health && sweep vlm-serve http://127.0.0.1:8000/v1
-kill $pid; wait $pid 2>/dev/null
+if has vlm-serve; then
+  python3 -m vlm_serve.cli --model "$MODEL" --served-model-name "$MODEL" --port 8000 \
+      --max-num-seqs 128 --max-queue-size 1024 --log-level info > "$OUT/vlm-serve.server.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8000/health && sweep vlm-serve http://127.0.0.1:8000/v1
+  kill $pid; wait $pid 2>/dev/null
+fi
 
-if [ -z "${SKIP_MLX_VLM:-}" ]; then
+if has mlx-vlm; then
   python3 -m mlx_vlm.server --model "$MODEL" --port 8080 --max-num-seqs 128 \
       > "$OUT/mlx-vlm.server.log" 2>&1 &
   pid=$!
@@ -51,5 +60,5 @@ if [ -z "${SKIP_MLX_VLM:-}" ]; then
   kill $pid; wait $pid 2>/dev/null
 fi
 
-python3 bench/plot.py "$OUT"/vlm-serve.json "$OUT"/mlx-vlm.json -o "$OUT/plot.png" 2>/dev/null || true
+python3 bench/plot.py "$OUT"/*-serve.json "$OUT"/mlx-vlm.json -o "$OUT/plot.png" 2>/dev/null || true
 ls -la "$OUT"

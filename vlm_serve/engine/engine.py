@@ -122,7 +122,7 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[GenerationEvent]:
         try:
             while True:
-                event = await self._queue.get()
+                event = _merge(await self._queue.get(), self._queue)
                 yield event
                 if event.finished:
                     self.finished = True
@@ -130,3 +130,15 @@ class RequestStream:
         finally:
             if not self.finished:
                 self.engine.cancel(self.request_id)
+
+
+def _merge(event: GenerationEvent, q: asyncio.Queue) -> GenerationEvent:
+    """Fold events that queued up while the consumer was busy into one, so a slow
+    consumer sends fewer, larger chunks instead of falling further behind."""
+    while not event.finished and not q.empty():
+        later = q.get_nowait()
+        later.text = event.text + later.text
+        later.token_ids = event.token_ids + later.token_ids
+        later.logprobs = event.logprobs + later.logprobs
+        event = later
+    return event

@@ -33,8 +33,9 @@ class Prefill:
     def done(self) -> bool:
         return self.logits is not None
 
-    def start(self) -> None:
-        """Materialize the prepared numpy inputs and run the vision tower."""
+    def start(self) -> int:
+        """Materialize the prepared numpy inputs and queue the vision tower. Returns its
+        cost in prompt tokens (the scheduler's prefill budget counts these)."""
         req = self.request
         self.input_ids = mx.array(req.input_ids, dtype=mx.int32)[None]
         inputs = {
@@ -45,13 +46,14 @@ class Prefill:
         self.chunked = self.adapter.can_chunk_prefill(
             self.input_ids, self.embeds, self.cache, self.kwargs
         )
-        mx.eval(self.embeds)
+        mx.async_eval(self.embeds)
+        return self.request.num_prompt_tokens if self.request.has_media else 1
 
-    def step(self) -> None:
-        """Run the next chunk; after the last one, ``logits`` is set."""
+    def step(self) -> int:
+        """Queue the next chunk; after the last one, ``logits`` is set (and evaluated).
+        Returns the number of prompt tokens the step cost."""
         if self.embeds is None:
-            self.start()
-            return
+            return self.start()
         lm = self.model.language_model
         remaining = self.embeds.shape[1]
         if self.chunked and remaining > 1:
@@ -64,10 +66,10 @@ class Prefill:
                 logits_to_keep=1,
                 **self.kwargs,
             )
-            mx.eval([c.state for c in self.cache])
+            mx.async_eval([c.state for c in self.cache])
             self.input_ids = self.input_ids[:, n:]
             self.embeds = self.embeds[:, n:]
-            return
+            return n
         out = lm(
             self.input_ids[:, -remaining:],
             inputs_embeds=self.embeds,
@@ -78,3 +80,4 @@ class Prefill:
         self.logits = out.logits[:, -1, :]
         mx.eval(self.logits)
         self.input_ids = self.embeds = None
+        return remaining

@@ -73,6 +73,9 @@ class Step:
 class SchedulerConfig:
     max_num_seqs: int = 32
     prefill_step_size: int = 512
+    # Prompt tokens prefilled between two decode steps: more means faster time to first
+    # token for new requests, less means smoother streams for running ones.
+    prefill_token_budget: int = 2048
     stats_interval_s: float = 10.0
 
 
@@ -124,8 +127,9 @@ class Scheduler:
             self._drain_inbox(block=idle)
             self._expire_deadlines()
             self._admit()
-            if self.prefilling:
-                self._prefill_step()
+            budget = self.config.prefill_token_budget
+            while self.prefilling and budget > 0:
+                budget -= self._prefill_step()
             if self.running or self._inflight:
                 self._decode_step()
             self._flush()
@@ -185,14 +189,15 @@ class Scheduler:
 
     # -- prefill ----------------------------------------------------------------------
 
-    def _prefill_step(self) -> None:
+    def _prefill_step(self) -> int:
+        """One prefill chunk of the first request in line; returns its token cost."""
         state = self.prefilling[0]
         try:
             if self.fault_hook:
                 self.fault_hook("prefill", [state])
-            state.prefill.step()
+            cost = state.prefill.step()
             if not state.prefill.done:
-                return
+                return cost
             self.prefilling.popleft()
             sampler = BatchSampler(self.vocab_size)
             sampler.add(state.request.sampling, state.request.input_ids.tolist())
@@ -203,11 +208,13 @@ class Scheduler:
                 row_state = self.adapter.row_state(prefill.kwargs)
                 self.batch.add(prefill.cache, sampler, token[0], row_state)
                 self.running.append(state)
+            return cost
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this request
             log.exception("prefill failed for %s", state.id)
             if self.prefilling and self.prefilling[0] is state:
                 self.prefilling.popleft()
             self._finish(state, FinishReason.ERROR, error=f"prefill failed: {exc}")
+            return 1
 
     # -- decode -----------------------------------------------------------------------
 
