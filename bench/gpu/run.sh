@@ -28,9 +28,10 @@ if has envelope; then
       --result-json "$OUT/envelope.json" > "$OUT/envelope.log" 2>&1
 fi
 
-wait_up() {
+wait_up() {  # url pid: wait for the server to answer, or give up if it died
   for _ in $(seq 600); do
     curl -sf "$1" >/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
     sleep 0.5
   done
   return 1
@@ -48,7 +49,7 @@ if has vlm-serve; then
   python3 -m vlm_serve.cli --model "$MODEL" --served-model-name "$MODEL" --port 8000 \
       --max-num-seqs 128 --max-queue-size 1024 --log-level info > "$OUT/vlm-serve.server.log" 2>&1 &
   pid=$!
-  wait_up http://127.0.0.1:8000/health && sweep vlm-serve http://127.0.0.1:8000/v1
+  wait_up http://127.0.0.1:8000/health $pid && sweep vlm-serve http://127.0.0.1:8000/v1
   kill $pid; wait $pid 2>/dev/null
 fi
 
@@ -56,7 +57,7 @@ if has mlx-vlm; then
   python3 -m mlx_vlm.server --model "$MODEL" --port 8080 --max-num-seqs 128 \
       > "$OUT/mlx-vlm.server.log" 2>&1 &
   pid=$!
-  wait_up http://127.0.0.1:8080/health && sweep mlx-vlm http://127.0.0.1:8080/v1
+  wait_up http://127.0.0.1:8080/health $pid && sweep mlx-vlm http://127.0.0.1:8080/v1
   kill $pid; wait $pid 2>/dev/null
 fi
 
