@@ -107,7 +107,7 @@ def _check_part(part: Any, where: str, role: str) -> None:
             raise bad_request(f"'{where}.text' must be a string", f"{where}.text", "invalid_type")
     elif kind == "image_url":
         if role != "user":
-            raise bad_request(f"images are only supported in user messages", where)
+            raise bad_request("images are only supported in user messages", where)
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
         if not isinstance(url, str) or not url:

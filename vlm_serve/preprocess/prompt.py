@@ -15,7 +15,7 @@ from mlx_vlm.utils import process_inputs, should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
 from .media import MediaError, MediaPolicy, image_digest, load_image
-from .tool_prompt import inline_tools, template_handles_tools
+from .tool_prompt import inline_tools, template_handles_tools, text_of
 
 
 class PromptError(ValueError):
@@ -33,14 +33,6 @@ class PromptContext:
     media: MediaPolicy
     max_images: int
     chat_template: str | None = None
-
-
-def _text_of(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
 
 def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -62,7 +54,7 @@ def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str
                     parts.append({"type": "image"})
             item["content"] = parts
         else:
-            item["content"] = _text_of(content)
+            item["content"] = text_of(content)
         if msg.get("tool_calls"):
             item["tool_calls"] = [_template_tool_call(c) for c in msg["tool_calls"]]
         for key in ("tool_call_id", "name"):

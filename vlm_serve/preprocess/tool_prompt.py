@@ -34,7 +34,8 @@ def _python_call(call: dict) -> str:
     return f"{function.get('name', '')}({', '.join(parts)})"
 
 
-def _text(content) -> str:
+def text_of(content) -> str:
+    """The text of message content: a string, or the text parts of a list."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -48,7 +49,7 @@ def inline_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     for msg in messages:
         role = msg["role"]
         if role == "tool":
-            block = f"```tool_output\n{_text(msg.get('content')).strip()}\n```"
+            block = f"```tool_output\n{text_of(msg.get('content')).strip()}\n```"
             if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
                 out[-1]["content"] += "\n" + block
             else:
@@ -57,7 +58,7 @@ def inline_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
         item = {k: v for k, v in msg.items() if k not in ("tool_calls", "tool_call_id", "name")}
         if role == "assistant" and msg.get("tool_calls"):
             calls = "\n".join(_python_call(c) for c in msg["tool_calls"])
-            text = _text(msg.get("content"))
+            text = text_of(msg.get("content"))
             item["content"] = (text + "\n" if text else "") + f"```tool_code\n{calls}\n```"
         out.append(item)
     for item in out:
