@@ -209,3 +209,24 @@ def test_request_timeout_stops_generation(start_server):
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "timeout"
     assert server.engine.in_flight == 0
+
+
+def test_failure_outside_any_step_fails_requests_and_engine_continues(server, monkeypatch):
+    """A bug anywhere in the scheduler's turn still ends every request with an error."""
+    from vlm_serve.engine import scheduler as scheduler_module
+
+    calls = {"n": 0}
+    original = scheduler_module.Scheduler._admit
+
+    def broken_admit(self):
+        if calls["n"] == 0 and self.waiting:
+            calls["n"] += 1
+            raise RuntimeError("admission bug")
+        return original(self)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_admit", broken_admit)
+    r = httpx.post(server.base_url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}, timeout=30)
+    assert r.status_code == 500 and "admission bug" in r.json()["error"]["message"]
+    ok = chat(server.client(), [{"role": "user", "content": "again"}], max_tokens=2)
+    assert ok.usage.completion_tokens == 2

@@ -123,19 +123,26 @@ class Scheduler:
 
     def run(self) -> None:
         while not self._stopping:
-            idle = not (self.waiting or self.prefilling or self.running or self._inflight)
-            self._drain_inbox(block=idle)
-            self._expire_deadlines()
-            self._admit()
-            budget = self.config.prefill_token_budget
-            while self.prefilling and budget > 0:
-                budget -= self._prefill_step()
-            if self.running or self._inflight:
-                self._decode_step()
+            try:
+                self._turn()
+            except Exception as exc:  # noqa: BLE001 - last resort: never leave a request hanging
+                log.exception("scheduler turn failed")
+                self._fail_all(f"internal error: {exc}", FinishReason.ERROR)
             self._flush()
             self._log_stats()
         self._fail_all("server is shutting down", FinishReason.CANCELLED)
         self._flush()
+
+    def _turn(self) -> None:
+        idle = not (self.waiting or self.prefilling or self.running or self._inflight)
+        self._drain_inbox(block=idle)
+        self._expire_deadlines()
+        self._admit()
+        budget = self.config.prefill_token_budget
+        while self.prefilling and budget > 0:
+            budget -= self._prefill_step()
+        if self.running or self._inflight:
+            self._decode_step()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -370,7 +377,8 @@ class Scheduler:
 
     def _fail_all(self, error: str, reason: FinishReason) -> None:
         for state in [*self.waiting, *self.prefilling, *self.running]:
-            self._finish(state, reason, error=error)
+            if not state.done:
+                self._finish(state, reason, error=error)
         self.waiting.clear()
         self.prefilling.clear()
         self.running = []
