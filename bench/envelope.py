@@ -87,6 +87,41 @@ def decode_rate(lm, batch: int, context: int, steps: int) -> dict:
     return {"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1000 / ms}
 
 
+def engine_decode_rate(model, batch: int, context: int, steps: int) -> dict:
+    """The same decode step through the engine's own batch (left-padded batch caches,
+    per-row sampling), with no scheduling around it: the engine's overhead over the
+    plain forward pass."""
+    from vlm_serve.engine.batch import Batch
+    from vlm_serve.engine.prefill import Prefill
+    from vlm_serve.engine.sampling import BatchSampler
+    from vlm_serve.engine.types import PreparedRequest, SamplingParams
+
+    adapter = adapter_for(model)
+    vocab = model.language_model(mx.zeros((1, 1), mx.int32)).logits.shape[-1]
+    engine_batch = Batch(model, adapter, vocab)
+    rng = np.random.default_rng(1)
+    for i in range(batch):
+        ids = rng.integers(10, 1000, context - i % 7).astype(np.int32)  # ragged, so padded
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
+        prefill = Prefill(model, adapter, PreparedRequest(f"e{i}", ids, params), 4096)
+        while not prefill.done:
+            prefill.step()
+        sampler = BatchSampler(vocab)
+        sampler.add(params, [])
+        first = sampler.sample(prefill.logits).tokens.item()
+        engine_batch.add(prefill.cache, sampler, first, adapter.row_state(prefill.kwargs))
+    for _ in range(3):
+        out = engine_batch.step()
+    mx.eval(out.tokens)
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = engine_batch.step()
+        mx.async_eval(out.tokens)
+    mx.eval(out.tokens)
+    ms = 1000 * (time.perf_counter() - t) / steps
+    return {"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1000 / ms}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -108,6 +143,9 @@ def main() -> None:
         "vision": vision_time(model, processor, model.config.model_type, args.image_size, args.reps),
         "prefill": prefill_rate(lm, args.prefill_tokens, args.reps),
         "decode": [decode_rate(lm, int(b), args.context, args.steps) for b in args.batch_sizes.split(",")],
+        "engine_decode": [
+            engine_decode_rate(model, int(b), args.context, args.steps) for b in args.batch_sizes.split(",")
+        ],
     }
     print(json.dumps(result, indent=2))
     if args.result_json:

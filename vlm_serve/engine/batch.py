@@ -39,8 +39,9 @@ class Batch:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
-    def add(self, row_cache: list, sampler: BatchSampler, first_token: int, state: dict) -> None:
-        """Append a prefilled row (its cache, its one-row sampler, its first token)."""
+    def add(self, row_cache: list, sampler: BatchSampler, first_token: mx.array, state: dict) -> None:
+        """Append a prefilled row: its cache, its one-row sampler and its first token
+        (a lazy (1,) array: the next step is queued before anyone reads it)."""
         joining = [_to_batch_cache(c) for c in row_cache]
         if self.cache is None:
             self.cache = joining
@@ -49,7 +50,7 @@ class Batch:
                 mine.extend(theirs)
         self.sampler.extend(sampler)
         self.row_states.append(state)
-        first = mx.array([first_token], mx.int32)
+        first = first_token.astype(mx.int32).reshape(1)
         self.next_tokens = first if self.next_tokens is None else mx.concatenate([self.next_tokens, first])
 
     def keep(self, indices: list[int]) -> None:

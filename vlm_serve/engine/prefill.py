@@ -50,7 +50,7 @@ class Prefill:
         return self.request.num_prompt_tokens if self.request.has_media else 1
 
     def step(self) -> int:
-        """Queue the next chunk; after the last one, ``logits`` is set (and evaluated).
+        """Queue the next chunk; after the last one, ``logits`` is set.
         Returns the number of prompt tokens the step cost."""
         if self.embeds is None:
             return self.start()
@@ -77,7 +77,6 @@ class Prefill:
             logits_to_keep=1,
             **self.kwargs,
         )
-        self.logits = out.logits[:, -1, :]
-        mx.eval(self.logits)
+        self.logits = out.logits[:, -1, :]  # lazy: read back with the first token
         self.input_ids = self.embeds = None
         return remaining

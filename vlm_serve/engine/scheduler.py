@@ -104,6 +104,7 @@ class Scheduler:
         self.batch = Batch(model, adapter, vocab_size)
         self._outbox: list[GenerationEvent] = []
         self._inflight: Step | None = None
+        self._joining: list[Step] = []  # rows whose first token is not read back yet
         self._stopping = False
         # Tests set this to inject a failure: called with the phase name and the
         # requests that phase is about to touch.
@@ -209,12 +210,12 @@ class Scheduler:
             sampler = BatchSampler(self.vocab_size)
             sampler.add(state.request.sampling, state.request.input_ids.tolist())
             out = sampler.sample(state.prefill.logits)
-            token, logprobs = self._read(out, [state], self._logprob_arrays(out, [state]))
             prefill, state.prefill = state.prefill, None
-            if not self._accept(state, token[0], logprobs[0]):
-                row_state = self.adapter.row_state(prefill.kwargs)
-                self.batch.add(prefill.cache, sampler, token[0], row_state)
-                self.running.append(state)
+            # The row joins with its first token still lazy; it is read back right after
+            # the next decode step is queued, so the device never idles on the way.
+            self.batch.add(prefill.cache, sampler, out.tokens, self.adapter.row_state(prefill.kwargs))
+            self.running.append(state)
+            self._joining.append(Step(out, [state], self._logprob_arrays(out, [state])))
             return cost
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this request
             log.exception("prefill failed for %s", state.id)
@@ -232,14 +233,17 @@ class Scheduler:
         device never waits for Python's bookkeeping (detokenizing, stop checks, events).
         A row that finishes is dropped one step late; that one step is discarded.
         """
+        joining, self._joining = self._joining, []
         try:
             launched = self._launch() if self.running else None
             previous, self._inflight = self._inflight, launched
+            for step in joining:  # first tokens of rows that just joined
+                self._process(step)
             if previous is not None:
                 self._process(previous)
         except Exception as exc:  # noqa: BLE001 - fail the batch's rows, keep serving
             touched = {id(s): s for s in self.running}
-            for step in (self._inflight,):
+            for step in (self._inflight, *joining):
                 if step is not None:
                     touched.update({id(s): s for s in step.states})
             log.exception("decode step failed for %d requests", len(touched))
@@ -383,6 +387,7 @@ class Scheduler:
         self.prefilling.clear()
         self.running = []
         self._inflight = None
+        self._joining = []
         self.batch.reset()
 
     def _flush(self) -> None:
