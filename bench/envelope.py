@@ -108,7 +108,7 @@ def engine_decode_rate(model, batch: int, context: int, steps: int) -> dict:
             prefill.step()
         sampler = BatchSampler(vocab)
         sampler.add(params, [])
-        first = sampler.sample(prefill.logits).tokens.item()
+        first = sampler.sample(prefill.logits).tokens
         engine_batch.add(prefill.cache, sampler, first, adapter.row_state(prefill.kwargs))
     for _ in range(3):
         out = engine_batch.step()
