@@ -236,3 +236,17 @@ def test_seeded_sampling_same_alone_and_batched(harness):
     assert alone == batched
     again = run_jobs(harness.engine, [(seeded("again"), None, None)])["again"]["tokens"]
     assert again == alone
+
+
+def test_repeated_images_reuse_vision_features_and_match_oracle(harness):
+    """A conversation resends its image every turn: the second time the vision tower is
+    skipped (features come from the cache) and the tokens are still the oracle's."""
+    case = Case("repeat-image", "What is in the picture?", [make_image(48, 40, 11)], max_tokens=10)
+    hits = harness.engine.scheduler.adapter.vision_cache.hits
+    first = run_jobs(harness.engine, [(harness.prepare(case, "turn-1"), None, None)])["turn-1"]
+    jobs = [(harness.prepare(case, f"turn-2-{i}"), None, None) for i in range(2)]
+    later = run_jobs(harness.engine, jobs)
+    assert harness.engine.scheduler.adapter.vision_cache.hits >= hits + 2
+    _assert_matches_oracle(harness, case, first)
+    for result in later.values():
+        _assert_matches_oracle(harness, case, result)

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget,
                    help="prompt tokens prefilled between two decode steps (higher: faster "
                         "first tokens for new requests; lower: smoother running streams)")
+    g.add_argument("--vision-cache-size", type=int, default=d.vision_cache_size,
+                   help="image sets whose vision features are kept for reuse (0: off)")
     g.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
                    help="seconds after which a request is stopped with a timeout error")
     g = p.add_argument_group("requests and media")

@@ -21,6 +21,7 @@ class ServerConfig:
     default_max_tokens: int = 1024
     prefill_step_size: int = 512
     prefill_token_budget: int = 2048
+    vision_cache_size: int = 64
     request_timeout_s: float | None = None
     cpu_workers: int = 4
 

@@ -39,6 +39,7 @@ def build_engine(config: ServerConfig) -> Engine:
             prefill_token_budget=config.prefill_token_budget,
         ),
         max_queue=config.max_queue_size,
+        vision_cache_size=config.vision_cache_size,
     )
     engine.start()
     return engine

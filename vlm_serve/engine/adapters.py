@@ -11,6 +11,7 @@ The batch generator is written against this small interface:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import mlx.core as mx
@@ -19,17 +20,58 @@ import mlx.core as mx
 _EMBED_ONLY_KEYS = {"inputs_embeds"}
 
 
-class ModelAdapter:
-    def __init__(self, model):
-        self.model = model
+class VisionCache:
+    """Projected image features of recent requests, keyed by their images' digests, so a
+    conversation that sends the same image every turn runs the vision tower once."""
 
-    def embed(self, input_ids: mx.array, inputs: dict[str, mx.array]) -> tuple[mx.array, dict]:
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[tuple, mx.array] = OrderedDict()
+        self.hits = 0
+
+    def get(self, key: tuple):
+        features = self._entries.get(key)
+        if features is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+        return features
+
+    def put(self, key: tuple, features) -> None:
+        if self.size <= 0:
+            return
+        self._entries[key] = features
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+
+class ModelAdapter:
+    def __init__(self, model, vision_cache_size: int = 64):
+        self.model = model
+        self.vision_cache = VisionCache(vision_cache_size)
+
+    def encode_images(self, input_ids: mx.array, pixel_values, inputs: dict):
+        """The projected image features ``get_input_embeddings`` would compute, for
+        families that accept them back as ``cached_image_features``; None otherwise."""
+        return None
+
+    def embed(
+        self, input_ids: mx.array, inputs: dict[str, mx.array], image_key: tuple = ()
+    ) -> tuple[mx.array, dict]:
         inputs = dict(inputs)
         pixel_values = inputs.pop("pixel_values", None)
         mask = inputs.pop("attention_mask", None)
         if mask is None:
             mask = mx.ones(input_ids.shape, mx.int32)
-        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+        cached = {}
+        if pixel_values is not None and image_key:
+            features = self.vision_cache.get(image_key)
+            if features is None:
+                features = self.encode_images(input_ids, pixel_values, inputs)
+                if features is not None:
+                    self.vision_cache.put(image_key, features)
+            if features is not None:
+                cached["cached_image_features"] = features
+        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs, **cached)
         kwargs = {**inputs}
         kwargs.update(
             {k: v for k, v in out.to_dict().items() if k not in _EMBED_ONLY_KEYS and v is not None}
@@ -63,10 +105,31 @@ class ModelAdapter:
         return {}
 
 
+class Gemma3Adapter(ModelAdapter):
+    def encode_images(self, input_ids, pixel_values, inputs):
+        # As Gemma 3's get_input_embeddings: pixels in the embedding dtype, channels last.
+        dtype = self.model.language_model.model.embed_tokens(input_ids[:, :1]).dtype
+        hidden, _, _ = self.model.vision_tower(
+            pixel_values.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True
+        )
+        return self.model.multi_modal_projector(hidden)
+
+
+class Gemma4Adapter(ModelAdapter):
+    def encode_images(self, input_ids, pixel_values, inputs):
+        return self.model.encode_image(pixel_values, inputs.get("image_position_ids"))
+
+
 class MRopeAdapter(ModelAdapter):
     """Qwen-VL: 3-axis rotary positions. After an image, a row's text positions run
     ``rope_delta`` behind its token count, so each row carries its own delta and the
     batch passes explicit position ids instead of relying on model-held state."""
+
+    def encode_images(self, input_ids, pixel_values, inputs):
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        return self.model.vision_tower(
+            pixel_values.astype(dtype), inputs.get("image_grid_thw"), output_hidden_states=False
+        )
 
     def row_state(self, prefill_kwargs: dict) -> dict[str, Any]:
         delta = prefill_kwargs.get("rope_deltas")
@@ -80,11 +143,13 @@ class MRopeAdapter(ModelAdapter):
 
 
 _ADAPTERS = {
+    "gemma3": Gemma3Adapter,
+    "gemma4": Gemma4Adapter,
     "qwen2_vl": MRopeAdapter,
     "qwen2_5_vl": MRopeAdapter,
 }
 
 
-def adapter_for(model) -> ModelAdapter:
+def adapter_for(model, vision_cache_size: int = 64) -> ModelAdapter:
     model_type = getattr(model.config, "model_type", "")
-    return _ADAPTERS.get(model_type, ModelAdapter)(model)
+    return _ADAPTERS.get(model_type, ModelAdapter)(model, vision_cache_size)

@@ -25,8 +25,15 @@ class EngineBusy(Exception):
 
 
 class Engine:
-    def __init__(self, model: str, scheduler_config: SchedulerConfig, max_queue: int = 256):
+    def __init__(
+        self,
+        model: str,
+        scheduler_config: SchedulerConfig,
+        max_queue: int = 256,
+        vision_cache_size: int = 64,
+    ):
         self.model_name = model
+        self.vision_cache_size = vision_cache_size
         self.scheduler_config = scheduler_config
         self.max_queue = max_queue
         self.loaded: loader.LoadedModel | None = None
@@ -56,7 +63,7 @@ class Engine:
             self.loaded = loader.load(self.model_name)
             self.scheduler = Scheduler(
                 self.loaded.model,
-                adapter_for(self.loaded.model),
+                adapter_for(self.loaded.model, self.vision_cache_size),
                 self.loaded.detokenizer,
                 self.loaded.eos_token_ids,
                 self.loaded.vocab_size,

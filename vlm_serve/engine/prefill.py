@@ -42,7 +42,7 @@ class Prefill:
             k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
             for k, v in req.model_inputs.items()
         }
-        self.embeds, self.kwargs = self.adapter.embed(self.input_ids, inputs)
+        self.embeds, self.kwargs = self.adapter.embed(self.input_ids, inputs, req.image_digests)
         self.chunked = self.adapter.can_chunk_prefill(
             self.input_ids, self.embeds, self.cache, self.kwargs
         )
