@@ -108,6 +108,23 @@ def main() -> None:
         "batch_even_ms": batch_step(model, b, c, n, ragged=False),
         "batch_ragged_ms": batch_step(model, b, c, n, ragged=True),
     }
+    # Rows of equal length within the window need no mask: time the batch caches with
+    # their decode mask dropped, and with it given as an additive float mask.
+    from mlx_vlm.models import cache as caches
+
+    classes = (caches.BatchKVCache, caches.BatchRotatingKVCache)
+    originals = {cls: cls.make_mask for cls in classes}
+    try:
+        for cls in classes:
+            cls.make_mask = lambda self, N, *a, **k: None
+        result["batch_even_no_mask_ms"] = batch_step(model, b, c, n, ragged=False)
+        for cls in classes:
+            cls.make_mask = lambda self, N, *a, _m=originals[cls], **k: mx.where(
+                _m(self, N, *a, **k), 0.0, -1e9).astype(mx.bfloat16)
+        result["batch_ragged_float_mask_ms"] = batch_step(model, b, c, n, ragged=True)
+    finally:
+        for cls, m in originals.items():
+            cls.make_mask = m
     # The batch rotating caches tie offsets to the keys with mx.depends after every
     # update; time the ragged batch once more without that tie.
     depends = mx.depends
