@@ -91,7 +91,7 @@ def engine_decode_rate(model, batch: int, context: int, steps: int) -> dict:
     """The same decode step through the engine's own batch (left-padded batch caches,
     per-row sampling), with no scheduling around it: the engine's overhead over the
     plain forward pass."""
-    from vlm_serve.engine.batch import Batch
+    from vlm_serve.engine.batch import Batch, JoiningRow
     from vlm_serve.engine.prefill import Prefill
     from vlm_serve.engine.sampling import BatchSampler
     from vlm_serve.engine.types import PreparedRequest, SamplingParams
@@ -109,7 +109,7 @@ def engine_decode_rate(model, batch: int, context: int, steps: int) -> dict:
         sampler = BatchSampler(vocab)
         sampler.add(params, [])
         first = sampler.sample(prefill.logits).tokens
-        engine_batch.add(prefill.cache, sampler, first, adapter.row_state(prefill.kwargs))
+        engine_batch.add([JoiningRow(prefill.cache, sampler, first, adapter.row_state(prefill.kwargs))])
     def time_steps(step) -> float:
         for _ in range(3):
             y = step()

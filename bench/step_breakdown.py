@@ -21,7 +21,7 @@ from mlx_vlm import load
 from mlx_vlm.models import cache as vlm_cache
 
 from vlm_serve.engine.adapters import adapter_for
-from vlm_serve.engine.batch import Batch
+from vlm_serve.engine.batch import Batch, JoiningRow
 from vlm_serve.engine.prefill import Prefill
 from vlm_serve.engine.sampling import BatchSampler
 from vlm_serve.engine.types import PreparedRequest, SamplingParams
@@ -81,7 +81,7 @@ def batch_step(model, batch, context, steps, ragged: bool) -> float:
             prefill.step()
         sampler = BatchSampler(vocab)
         sampler.add(params, [])
-        engine_batch.add(prefill.cache, sampler, sampler.sample(prefill.logits).tokens, {})
+        engine_batch.add([JoiningRow(prefill.cache, sampler, sampler.sample(prefill.logits).tokens, {})])
 
     def step():
         logits = model.language_model(engine_batch.next_tokens[:, None], cache=engine_batch.cache).logits

@@ -7,6 +7,7 @@ one per layer). Rows that finish leave at once: the caches are filtered.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -15,9 +16,15 @@ from .adapters import ModelAdapter
 from .sampling import BatchSampler, SampleOutput
 
 
-def _to_batch_cache(layer_cache):
-    # KVCache.merge / RotatingKVCache.merge build the matching batch cache.
-    return type(layer_cache).merge([layer_cache])
+@dataclass
+class JoiningRow:
+    """A request that finished prefill: its own cache, its one-row sampler, its first
+    token (a lazy (1,) array: the next step is queued before anyone reads it)."""
+
+    cache: list
+    sampler: BatchSampler
+    first_token: mx.array
+    state: dict[str, Any]
 
 
 class Batch:
@@ -39,19 +46,26 @@ class Batch:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
-    def add(self, row_cache: list, sampler: BatchSampler, first_token: mx.array, state: dict) -> None:
-        """Append a prefilled row: its cache, its one-row sampler and its first token
-        (a lazy (1,) array: the next step is queued before anyone reads it)."""
-        joining = [_to_batch_cache(c) for c in row_cache]
+    def add(self, rows: list[JoiningRow]) -> None:
+        """Append prefilled rows. They are merged among themselves first (KVCache.merge /
+        RotatingKVCache.merge build the matching batch caches), so the running batch's
+        caches are copied once per join, not once per row."""
+        if not rows:
+            return
+        layers = zip(*(row.cache for row in rows))
+        joining = [type(layer[0]).merge(list(layer)) for layer in layers]
         if self.cache is None:
             self.cache = joining
         else:
             for mine, theirs in zip(self.cache, joining):
                 mine.extend(theirs)
-        self.sampler.extend(sampler)
-        self.row_states.append(state)
-        first = first_token.astype(mx.int32).reshape(1)
-        self.next_tokens = first if self.next_tokens is None else mx.concatenate([self.next_tokens, first])
+        firsts = [row.first_token.astype(mx.int32).reshape(1) for row in rows]
+        if self.next_tokens is not None:
+            firsts.insert(0, self.next_tokens)
+        self.next_tokens = mx.concatenate(firsts)
+        for row in rows:
+            self.sampler.extend(row.sampler)
+            self.row_states.append(row.state)
 
     def keep(self, indices: list[int]) -> None:
         """Keep the rows at ``indices``; everything else leaves the batch now."""

@@ -19,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .adapters import ModelAdapter
-from .batch import Batch
+from .batch import Batch, JoiningRow
 from .detokenize import TextAssembler
 from .prefill import Prefill
 from .sampling import BatchSampler, top_logprobs
@@ -105,6 +105,7 @@ class Scheduler:
         self._outbox: list[GenerationEvent] = []
         self._inflight: Step | None = None
         self._joining: list[Step] = []  # rows whose first token is not read back yet
+        self._ready: list[JoiningRow] = []  # prefilled this turn, joining the batch at its end
         self._stopping = False
         # Tests set this to inject a failure: called with the phase name and the
         # requests that phase is about to touch.
@@ -142,6 +143,8 @@ class Scheduler:
         budget = self.config.prefill_token_budget
         while self.prefilling and budget > 0:
             budget -= self._prefill_step()
+        self.batch.add(self._ready)
+        self._ready = []
         if self.running or self._inflight:
             self._decode_step()
 
@@ -213,7 +216,9 @@ class Scheduler:
             prefill, state.prefill = state.prefill, None
             # The row joins with its first token still lazy; it is read back right after
             # the next decode step is queued, so the device never idles on the way.
-            self.batch.add(prefill.cache, sampler, out.tokens, self.adapter.row_state(prefill.kwargs))
+            self._ready.append(
+                JoiningRow(prefill.cache, sampler, out.tokens, self.adapter.row_state(prefill.kwargs))
+            )
             self.running.append(state)
             self._joining.append(Step(out, [state], self._logprob_arrays(out, [state])))
             return cost
@@ -388,6 +393,7 @@ class Scheduler:
         self.running = []
         self._inflight = None
         self._joining = []
+        self._ready = []
         self.batch.reset()
 
     def _flush(self) -> None:
