@@ -29,8 +29,6 @@ log = logging.getLogger("vlm_serve.engine")
 
 Publish = Callable[[list[GenerationEvent]], None]
 
-CLEAR_CACHE_EVERY = 256  # decode steps
-
 
 @dataclass
 class Submit:
@@ -108,7 +106,6 @@ class Scheduler:
         self._inflight: Step | None = None
         self._joining: list[Step] = []  # rows whose first token is not read back yet
         self._ready: list[JoiningRow] = []  # prefilled this turn, joining the batch at its end
-        self._steps = 0
         self._stopping = False
         # Tests set this to inject a failure: called with the phase name and the
         # requests that phase is about to touch.
@@ -266,11 +263,6 @@ class Scheduler:
         states = list(self.running)
         if self.fault_hook:
             self.fault_hook("decode", states)
-        self._steps += 1
-        if self._steps % CLEAR_CACHE_EVERY == 0:
-            # Batch caches change shape at every join and leave; hand MLX's pool of
-            # freed buffers back now and then, as mlx-lm's generate loop does.
-            mx.clear_cache()
         out = self.batch.step()
         extras = self._logprob_arrays(out, states)
         mx.async_eval(out.tokens, *extras)
