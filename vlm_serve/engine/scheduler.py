@@ -1,10 +1,11 @@
 """The scheduler: the loop of the MLX worker thread.
 
 Each turn it takes new requests and cancellations from its inbox, admits waiting
-requests up to ``max_num_seqs``, runs one prefill chunk (so a long prompt never stalls
-running streams for long), and one batched decode step. Every request ends with exactly
-one final event: a finish, a cancellation, or an error. A failure inside a step fails
-the requests that step touched and leaves a clean batch behind.
+requests up to ``max_num_seqs``, runs prefill chunks up to a token budget (so a long
+prompt never stalls running streams for long), lets finished prefills join the batch,
+queues one batched decode step and reads back the previous one. Every request ends with
+exactly one final event: a finish, a cancellation, or an error. A failure inside a step
+fails the requests that step touched and leaves a clean batch behind.
 """
 
 from __future__ import annotations
@@ -216,11 +217,11 @@ class Scheduler:
             prefill, state.prefill = state.prefill, None
             # The row joins with its first token still lazy; it is read back right after
             # the next decode step is queued, so the device never idles on the way.
-            self._ready.append(
-                JoiningRow(prefill.cache, sampler, out.tokens, self.adapter.row_state(prefill.kwargs))
-            )
+            row = JoiningRow(prefill.cache, sampler, out.tokens, self.adapter.row_state(prefill.kwargs))
+            first = Step(out, [state], self._logprob_arrays(out, [state]))
+            self._ready.append(row)
             self.running.append(state)
-            self._joining.append(Step(out, [state], self._logprob_arrays(out, [state])))
+            self._joining.append(first)
             return cost
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this request
             log.exception("prefill failed for %s", state.id)
