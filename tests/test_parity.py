@@ -250,3 +250,45 @@ def test_repeated_images_reuse_vision_features_and_match_oracle(harness):
     _assert_matches_oracle(harness, case, first)
     for result in later.values():
         _assert_matches_oracle(harness, case, result)
+
+
+def _prepared_from_ids(harness, rid: str, ids: list[int], max_tokens: int):
+    import numpy as np
+
+    from vlm_serve.engine.types import PreparedRequest
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return PreparedRequest(rid, np.array(ids, np.int32), params)
+
+
+def _oracle_from_ids(harness, ids: list[int], max_tokens: int) -> list[int]:
+    import itertools
+
+    from mlx_vlm.generate import generate_step
+
+    steps = generate_step(mx.array([ids]), harness.oracle_model, None, None, max_tokens=max_tokens,
+                          temperature=0.0, prefill_step_size=PREFILL_STEP)
+    return [token for token, _ in itertools.islice(steps, max_tokens)]
+
+
+def test_prefix_cache_reuses_text_prompts_and_matches_oracle(harness):
+    tokenizer = harness.ctx.processor.tokenizer
+    first = tokenizer.encode(chat_prompt(harness.ctx.processor, Case("p", LONG_TEXT)), add_special_tokens=False)
+    second = first + tokenizer.encode(" And then the story went on for a while longer.", add_special_tokens=False)
+    cache = harness.engine.scheduler.prefix_cache
+    before = cache.reused_tokens
+    run_jobs(harness.engine, [(_prepared_from_ids(harness, "turn-1", first, 6), None, None)])
+    result = run_jobs(harness.engine, [(_prepared_from_ids(harness, "turn-2", second, 12), None, None)])["turn-2"]
+    assert cache.reused_tokens - before >= len(first)  # the whole first prompt was reused
+    assert result["tokens"] == _oracle_from_ids(harness, second, 12)
+
+
+def test_requests_with_images_never_touch_the_prefix_cache(harness):
+    """Same text, different images: identical image-placeholder token ids must not share KV."""
+    cache = harness.engine.scheduler.prefix_cache
+    before = cache.reused_tokens
+    cases = [Case(f"img-{i}", "Describe this picture.", [make_image(40, 60, 20 + i)], max_tokens=8) for i in range(2)]
+    for case in cases:
+        result = run_jobs(harness.engine, [(harness.prepare(case, case.name), None, None)])[case.name]
+        _assert_matches_oracle(harness, case, result)
+    assert cache.reused_tokens == before

@@ -22,6 +22,8 @@ class ServerConfig:
     prefill_step_size: int = 512
     prefill_token_budget: int = 2048
     vision_cache_size: int = 64
+    prefix_cache_size: int = 16
+    prefix_cache_gb: float = 4.0
     request_timeout_s: float | None = None
     cpu_workers: int = 4
 

@@ -37,6 +37,8 @@ def build_engine(config: ServerConfig) -> Engine:
             max_num_seqs=config.max_num_seqs,
             prefill_step_size=config.prefill_step_size,
             prefill_token_budget=config.prefill_token_budget,
+            prefix_cache_entries=config.prefix_cache_size,
+            prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)),
         ),
         max_queue=config.max_queue_size,
         vision_cache_size=config.vision_cache_size,

@@ -13,15 +13,25 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
 from .adapters import ModelAdapter
+from .prefix_cache import PrefixCache
 from .types import PreparedRequest
 
 
 class Prefill:
-    def __init__(self, model, adapter: ModelAdapter, request: PreparedRequest, step_size: int):
+    def __init__(
+        self,
+        model,
+        adapter: ModelAdapter,
+        request: PreparedRequest,
+        step_size: int,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.model = model
         self.adapter = adapter
         self.request = request
         self.step_size = max(1, step_size)
+        self.prefix_cache = prefix_cache if not request.has_media else None
+        self.reused = 0  # prompt tokens whose KV came from the prefix cache
         self.cache = vlm_cache.make_prompt_cache(model.language_model)
         self.input_ids: mx.array | None = None
         self.embeds: mx.array | None = None
@@ -46,8 +56,22 @@ class Prefill:
         self.chunked = self.adapter.can_chunk_prefill(
             self.input_ids, self.embeds, self.cache, self.kwargs
         )
+        if self.prefix_cache is not None:
+            cache, self.reused = self.prefix_cache.lookup(req.input_ids.tolist())
+            if cache is not None:
+                # Only the rest is prefilled. Position metadata in kwargs stays that of the
+                # whole prompt: the models slice it by the cache offset, as mlx-vlm's own
+                # prompt caching does.
+                self.cache = cache
+                self.input_ids = self.input_ids[:, self.reused:]
+                self.embeds = self.embeds[:, self.reused:]
         mx.async_eval(self.embeds)
         return self.request.num_prompt_tokens if self.request.has_media else 1
+
+    def remember(self) -> None:
+        """Offer this text-only prompt's finished cache to the prefix cache."""
+        if self.prefix_cache is not None and self.done:
+            self.prefix_cache.store(self.request.input_ids.tolist(), self.cache)
 
     def step(self) -> int:
         """Queue the next chunk; after the last one, ``logits`` is set.

@@ -23,6 +23,7 @@ from .adapters import ModelAdapter
 from .batch import Batch, JoiningRow
 from .detokenize import TextAssembler
 from .prefill import Prefill
+from .prefix_cache import PrefixCache
 from .sampling import BatchSampler, top_logprobs
 from .types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
 
@@ -55,6 +56,7 @@ class RequestState:
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     done: bool = False
+    reused_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def id(self) -> str:
@@ -74,6 +76,8 @@ class Step:
 class SchedulerConfig:
     max_num_seqs: int = 32
     prefill_step_size: int = 512
+    prefix_cache_entries: int = 16  # text-only prompts kept for prefix reuse; 0: off
+    prefix_cache_bytes: int = 4 << 30
     # Prompt tokens prefilled between two decode steps: more means faster time to first
     # token for new requests, less means smoother streams for running ones.
     prefill_token_budget: int = 2048
@@ -103,6 +107,10 @@ class Scheduler:
         self.prefilling: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.batch = Batch(model, adapter, vocab_size)
+        self.prefix_cache = (
+            PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
+            if config.prefix_cache_entries > 0 else None
+        )
         self._outbox: list[GenerationEvent] = []
         self._inflight: Step | None = None
         self._joining: list[Step] = []  # rows whose first token is not read back yet
@@ -195,7 +203,8 @@ class Scheduler:
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_num_seqs:
             state = self.waiting.popleft()
             state.prefill = Prefill(
-                self.model, self.adapter, state.request, self.config.prefill_step_size
+                self.model, self.adapter, state.request, self.config.prefill_step_size,
+                self.prefix_cache,
             )
             self.prefilling.append(state)
 
@@ -215,6 +224,8 @@ class Scheduler:
             sampler.add(state.request.sampling, state.request.input_ids.tolist())
             out = sampler.sample(state.prefill.logits)
             prefill, state.prefill = state.prefill, None
+            prefill.remember()
+            state.reused_tokens = prefill.reused
             # The row joins with its first token still lazy; it is read back right after
             # the next decode step is queued, so the device never idles on the way.
             row = JoiningRow(prefill.cache, sampler, out.tokens, self.adapter.row_state(prefill.kwargs))
@@ -379,9 +390,9 @@ class Scheduler:
         ttft = f"{stats['ttft_s'] * 1000:.0f}ms" if stats["ttft_s"] is not None else "-"
         tps = f"{stats['decode_tps']:.1f}" if stats["decode_tps"] is not None else "-"
         log.info(
-            "request %s done: prompt_tokens=%d images=%d completion_tokens=%d ttft=%s "
-            "tokens/s=%s finish=%s%s",
-            state.id, state.request.num_prompt_tokens, state.request.num_images,
+            "request %s done: prompt_tokens=%d cached_tokens=%d images=%d completion_tokens=%d "
+            "ttft=%s tokens/s=%s finish=%s%s",
+            state.id, state.request.num_prompt_tokens, state.reused_tokens, state.request.num_images,
             state.generated, ttft, tps, reason.value, f" error={error}" if error else "",
         )
 
