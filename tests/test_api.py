@@ -179,3 +179,16 @@ def test_api_key_required_when_set(start_server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     ok = server.client(api_key="sekrit").chat.completions.create(model="tiny-gemma3", messages=user("x"), max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(server):
+    client = server.client()
+    history = [{"role": "user", "content": "Tell me about rivers and the sea, at some length please."}]
+    first = client.chat.completions.create(model="tiny-gemma3", messages=history, max_tokens=3, temperature=0)
+    again = client.chat.completions.create(model="tiny-gemma3", messages=history, max_tokens=3, temperature=0)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, again)]
+    # Earlier requests of this module share the template's opening tokens, so reuse
+    # shows; at least one token is always prefilled to give the first logits.
+    assert max(cached) > 0
+    assert all(0 <= c <= first.usage.prompt_tokens - 1 for c in cached)
+    assert again.choices[0].message.content == first.choices[0].message.content

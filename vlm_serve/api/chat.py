@@ -54,7 +54,7 @@ async def _respond(state: AppState, events, output: OutputProcessor, completion_
                     "finish_reason": finish_reason(done.final.finish_reason, output.has_tool_calls),
                 }
             ],
-            "usage": usage(done.final.prompt_tokens, done.final.completion_tokens),
+            "usage": usage(done.final),
         }
     )
 
@@ -77,7 +77,7 @@ def _stream(state: AppState, events, output: OutputProcessor, completion_id: str
     def final_chunks(event: GenerationEvent) -> list[bytes]:
         out = [writer.chunk(choice({}, reason=finish_reason(event.finish_reason, output.has_tool_calls)))]
         if chat.include_usage:
-            out.append(writer.chunk(None, usage(event.prompt_tokens, event.completion_tokens)))
+            out.append(writer.chunk(None, usage(event)))
         return out
 
     async def body():

@@ -84,7 +84,7 @@ async def _respond(state: AppState, events, completion_id: str) -> JSONResponse:
                     "finish_reason": finish_reason(done.final.finish_reason),
                 }
             ],
-            "usage": usage(done.final.prompt_tokens, done.final.completion_tokens),
+            "usage": usage(done.final),
         }
     )
 
@@ -102,7 +102,7 @@ def _stream(state: AppState, events, completion_id: str, include_usage: bool):
         out = [writer.chunk({"index": 0, "text": "", "logprobs": None,
                              "finish_reason": finish_reason(event.finish_reason)})]
         if include_usage:
-            out.append(writer.chunk(None, usage(event.prompt_tokens, event.completion_tokens)))
+            out.append(writer.chunk(None, usage(event)))
         return out
 
     return stream_sse(events, chunks_for, final_chunks, state.heartbeat_s)

@@ -6,18 +6,21 @@ import json
 import secrets
 import time
 
-from ..engine.types import FinishReason, TokenLogprob
+from ..engine.types import FinishReason, GenerationEvent, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(final: GenerationEvent) -> dict:
+    """OpenAI usage from a request's final event (prompt tokens served from the prefix
+    cache are reported as ``cached_tokens``)."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.stats.get("cached_tokens", 0)},
     }
 
 

@@ -373,6 +373,7 @@ class Scheduler:
                 else None
             ),
             "e2e_s": now - state.arrived,
+            "cached_tokens": state.reused_tokens,
         }
         self._outbox.append(
             GenerationEvent(
