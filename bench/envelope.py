@@ -90,46 +90,18 @@ def decode_rate(lm, batch: int, context: int, steps: int) -> dict:
 def engine_decode_rate(model, batch: int, context: int, steps: int) -> dict:
     """The same decode step through the engine's own batch (left-padded batch caches,
     per-row sampling), with no scheduling around it: the engine's overhead over the
-    plain forward pass."""
-    from vlm_serve.engine.batch import Batch, JoiningRow
-    from vlm_serve.engine.prefill import Prefill
-    from vlm_serve.engine.sampling import BatchSampler
-    from vlm_serve.engine.types import PreparedRequest, SamplingParams
+    plain forward pass; and the same batch with a bare argmax instead of the sampler."""
+    from step_breakdown import build_engine_batch, time_steps
 
-    adapter = adapter_for(model)
-    vocab = model.language_model(mx.zeros((1, 1), mx.int32)).logits.shape[-1]
-    engine_batch = Batch(model, adapter, vocab)
-    rng = np.random.default_rng(1)
-    for i in range(batch):
-        ids = rng.integers(10, 1000, context - i % 7).astype(np.int32)  # ragged, so padded
-        params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
-        prefill = Prefill(model, adapter, PreparedRequest(f"e{i}", ids, params), 4096)
-        while not prefill.done:
-            prefill.step()
-        sampler = BatchSampler(vocab)
-        sampler.add(params, [])
-        first = sampler.sample(prefill.logits).tokens
-        engine_batch.add([JoiningRow(prefill.cache, sampler, first, adapter.row_state(prefill.kwargs))])
-    def time_steps(step) -> float:
-        for _ in range(3):
-            y = step()
-        mx.eval(y)
-        t = time.perf_counter()
-        for _ in range(steps):
-            y = step()
-            mx.async_eval(y)
-        mx.eval(y)
-        return 1000 * (time.perf_counter() - t) / steps
-
-    ms = time_steps(lambda: engine_batch.step().tokens)
+    engine_batch = build_engine_batch(model, batch, context, 2 * steps + 16, ragged=True)
+    ms = time_steps(lambda: engine_batch.step().tokens, steps)
 
     def forward_only():
-        # The same batch caches, argmax instead of the per-row sampler.
         logits = model.language_model(engine_batch.next_tokens[:, None], cache=engine_batch.cache).logits
         engine_batch.next_tokens = mx.argmax(logits[:, -1, :], axis=-1).astype(mx.int32)
         return engine_batch.next_tokens
 
-    forward_ms = time_steps(forward_only)
+    forward_ms = time_steps(forward_only, steps)
     return {"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1000 / ms,
             "forward_only_step_ms": forward_ms}
 

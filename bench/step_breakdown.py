@@ -68,20 +68,28 @@ def plain_step(model, batch, context, steps, array_offset=False) -> float:
     return time_steps(step, steps)
 
 
-def batch_step(model, batch, context, steps, ragged: bool) -> float:
+def build_engine_batch(model, batch: int, context: int, max_tokens: int, ragged: bool) -> Batch:
+    """The engine's own batch of ``batch`` prefilled text rows of about ``context`` tokens
+    (of different lengths when ``ragged``, so the batch caches are left-padded)."""
     adapter = adapter_for(model)
     vocab = model.language_model(mx.zeros((1, 1), mx.int32)).logits.shape[-1]
     engine_batch = Batch(model, adapter, vocab)
     rng = np.random.default_rng(1)
     for i in range(batch):
         ids = rng.integers(10, 1000, context - (i % 7 if ragged else 0)).astype(np.int32)
-        params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         prefill = Prefill(model, adapter, PreparedRequest(f"b{i}", ids, params), 4096)
         while not prefill.done:
             prefill.step()
         sampler = BatchSampler(vocab)
         sampler.add(params, [])
-        engine_batch.add([JoiningRow(prefill.cache, sampler, sampler.sample(prefill.logits).tokens, {})])
+        first = sampler.sample(prefill.logits).tokens
+        engine_batch.add([JoiningRow(prefill.cache, sampler, first, adapter.row_state(prefill.kwargs))])
+    return engine_batch
+
+
+def batch_step(model, batch, context, steps, ragged: bool) -> float:
+    engine_batch = build_engine_batch(model, batch, context, steps + 8, ragged)
 
     def step():
         logits = model.language_model(engine_batch.next_tokens[:, None], cache=engine_batch.cache).logits
