@@ -1,8 +1,9 @@
 """The running batch: one batched decode step for every row.
 
-Rows that finished prefill join with their own single-request cache, which is merged
-into the left-padded batch caches of mlx-lm (``BatchKVCache`` / ``BatchRotatingKVCache``,
-one per layer). Rows that finish leave at once: the caches are filtered.
+Rows that finished prefill join with their own single-request caches, merged into
+left-padded batch caches (``BatchKVCache`` / ``BatchRotatingKVCache``, one per layer, the
+design of mlx-lm's, as mlx-vlm's cache module provides them). Rows that finish leave at
+once: the caches are filtered.
 """
 
 from __future__ import annotations

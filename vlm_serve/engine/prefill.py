@@ -3,8 +3,9 @@
 The split mirrors mlx-vlm's ``generate_step``: the prompt minus its last token goes
 through the language model in chunks of ``step_size`` (outputs discarded), then the last
 token alone gives the logits of the first sampled token. Only last-position logits are
-ever computed. The scheduler runs one chunk between decode steps so running streams keep
-flowing while a long prompt is prefilled.
+ever computed. The scheduler runs chunks up to a token budget between decode steps, so
+running streams keep flowing while a long prompt is prefilled. Text-only prompts may
+start from the prefix cache and prefill only what it does not hold.
 """
 
 from __future__ import annotations
