@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.grammar import json_grammar
 from ..engine.types import SamplingParams
 from .errors import bad_request
 
@@ -194,19 +195,16 @@ def sampling_from(
     return params, max_tokens
 
 
-def _response_format(body: dict) -> None:
+def _response_format(body: dict) -> str | None:
+    """The grammar for ``response_format`` (JSON mode or a JSON Schema), or None."""
     fmt = _get(body, "response_format", (dict,), None)
     if fmt is None:
-        return
-    kind = fmt.get("type")
-    if kind in (None, "text"):
-        return
-    if kind in ("json_object", "json_schema"):
-        raise bad_request(
-            f"response_format type {kind!r} is not supported yet", "response_format.type",
-            "unsupported_value",
-        )
-    raise bad_request(f"unknown response_format type {kind!r}", "response_format.type")
+        return None
+    try:
+        return json_grammar(fmt)
+    except ValueError as exc:
+        param = "response_format.json_schema" if fmt.get("type") == "json_schema" else "response_format.type"
+        raise bad_request(str(exc), param) from exc
 
 
 def _tools(body: dict) -> list[dict]:
@@ -253,7 +251,7 @@ def parse_chat_request(body: Any, vocab_size: int, defaults: dict | None = None)
     stream_options = _get(body, "stream_options", (dict,), {})
     include_usage = bool(stream_options.get("include_usage", False))
     sampling, max_tokens = sampling_from(body, vocab_size, defaults)
-    _response_format(body)
+    sampling.grammar = _response_format(body)
     tools = _tools(body)
     return ChatRequest(
         messages=messages,

@@ -88,11 +88,12 @@ class Batch:
         self.row_states = []
         self.next_tokens = None
 
-    def step(self) -> SampleOutput:
+    def step(self, allowed: mx.array | None = None) -> SampleOutput:
         """Queue one decode step for all rows. Nothing is evaluated here: the returned
-        tokens are lazy and already feed the step after this one."""
+        tokens are lazy and already feed the step after this one. ``allowed`` masks the
+        tokens of rows under a grammar."""
         kwargs = self.adapter.decode_kwargs(self.cache, self.row_states)
         out = self.model.language_model(self.next_tokens[:, None], cache=self.cache, **kwargs)
-        sample = self.sampler.sample(out.logits[:, -1, :])
+        sample = self.sampler.sample(out.logits[:, -1, :], allowed)
         self.next_tokens = sample.tokens
         return sample

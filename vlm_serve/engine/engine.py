@@ -64,6 +64,7 @@ class Engine:
             self.scheduler = Scheduler(
                 self.loaded.model,
                 adapter_for(self.loaded.model, self.vision_cache_size),
+                self.loaded.tokenizer,
                 self.loaded.detokenizer,
                 self.loaded.eos_token_ids,
                 self.loaded.vocab_size,

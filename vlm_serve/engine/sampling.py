@@ -142,10 +142,13 @@ class BatchSampler:
                 rows.append(mx.random.gumbel((1, shape[1])))
         return mx.concatenate(rows)
 
-    def sample(self, logits: mx.array) -> SampleOutput:
-        """Sample one token per row from ``logits`` of shape (B, V)."""
+    def sample(self, logits: mx.array, allowed: mx.array | None = None) -> SampleOutput:
+        """Sample one token per row from ``logits`` of shape (B, V); ``allowed`` (B, V)
+        restricts rows to the tokens their grammar permits."""
         a = self._param_arrays()
         logits = logits.astype(mx.float32)
+        if allowed is not None:
+            logits = mx.where(allowed, logits, -mx.inf)
         if self._counts is not None:
             logits = self._apply_penalties(logits, a)
         if self._bias is not None:

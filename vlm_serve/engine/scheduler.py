@@ -22,6 +22,7 @@ import mlx.core as mx
 from .adapters import ModelAdapter
 from .batch import Batch, JoiningRow
 from .detokenize import TextAssembler
+from .grammar import GrammarCompiler, allowed_tokens
 from .prefill import Prefill
 from .prefix_cache import PrefixCache
 from .sampling import BatchSampler, top_logprobs
@@ -57,6 +58,7 @@ class RequestState:
     first_token_at: float | None = None
     done: bool = False
     reused_tokens: int = 0  # prompt tokens served from the prefix cache
+    matcher: object | None = None  # llguidance matcher of a constrained request
 
     @property
     def id(self) -> str:
@@ -89,6 +91,7 @@ class Scheduler:
         self,
         model,
         adapter: ModelAdapter,
+        tokenizer,
         detokenizer,
         eos_token_ids: set[int],
         vocab_size: int,
@@ -107,6 +110,7 @@ class Scheduler:
         self.prefilling: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.batch = Batch(model, adapter, vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.prefix_cache = (
             PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
             if config.prefix_cache_entries > 0 else None
@@ -202,6 +206,12 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_num_seqs:
             state = self.waiting.popleft()
+            if state.request.sampling.grammar is not None:
+                try:
+                    state.matcher = self.grammars.matcher(state.request.sampling.grammar)
+                except Exception as exc:  # noqa: BLE001 - only this request's grammar is bad
+                    self._finish(state, FinishReason.ERROR, error=f"grammar failed: {exc}")
+                    continue
             state.prefill = Prefill(
                 self.model, self.adapter, state.request, self.config.prefill_step_size,
                 self.prefix_cache,
@@ -222,7 +232,8 @@ class Scheduler:
             self.prefilling.popleft()
             sampler = BatchSampler(self.vocab_size)
             sampler.add(state.request.sampling, state.request.input_ids.tolist())
-            out = sampler.sample(state.prefill.logits)
+            allowed = allowed_tokens([state.matcher], self.vocab_size)
+            out = sampler.sample(state.prefill.logits, allowed)
             prefill, state.prefill = state.prefill, None
             prefill.remember()
             state.reused_tokens = prefill.reused
@@ -252,6 +263,15 @@ class Scheduler:
         """
         joining, self._joining = self._joining, []
         try:
+            if any(s.matcher is not None for s in self.running):
+                # A grammar needs the last token before it can mask the next one: read
+                # everything back first, then queue the next step.
+                previous, self._inflight = self._inflight, None
+                for step in (*joining, previous):
+                    if step is not None:
+                        self._process(step)
+                self._inflight = self._launch() if self.running else None
+                return
             launched = self._launch() if self.running else None
             previous, self._inflight = self._inflight, launched
             for step in joining:  # first tokens of rows that just joined
@@ -275,7 +295,7 @@ class Scheduler:
         states = list(self.running)
         if self.fault_hook:
             self.fault_hook("decode", states)
-        out = self.batch.step()
+        out = self.batch.step(allowed_tokens([s.matcher for s in states], self.vocab_size))
         extras = self._logprob_arrays(out, states)
         mx.async_eval(out.tokens, *extras)
         return Step(out, states, extras)
@@ -332,8 +352,11 @@ class Scheduler:
         if is_eos or token in params.stop_token_ids:
             self._finish(state, FinishReason.STOP, token=token)
             return True
+        if state.matcher is not None and not state.matcher.consume_token(token):
+            self._finish(state, FinishReason.ERROR, error=f"grammar rejected token {token}")
+            return True
         text = state.text.add_token(token)
-        if state.text.stopped:
+        if state.text.stopped or (state.matcher is not None and state.matcher.is_stopped()):
             self._finish(state, FinishReason.STOP, text=text, token=token, logprob=logprob)
             return True
         if state.generated >= params.max_tokens:

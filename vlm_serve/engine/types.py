@@ -30,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str | None = None  # llguidance grammar (JSON mode / JSON Schema)
 
     @property
     def is_greedy(self) -> bool:
