@@ -75,8 +75,8 @@ def steer_to(monkeypatch, token_ids: list[int]) -> None:
     write a tool call)."""
     original = sampling.BatchSampler.sample
 
-    def steered(self, logits):
-        out = original(self, logits)
+    def steered(self, logits, allowed=None):
+        out = original(self, logits, allowed)
         forced = [token_ids[min(n - 1, len(token_ids) - 1)] for n in self.positions]
         return sampling.SampleOutput(tokens=mx.array(forced, mx.int32), logprobs=out.logprobs)
 
