@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from starlette.requests import Request
@@ -30,10 +31,16 @@ async def chat_completions(request: Request) -> Response:
     state.apply_limits(prepared, chat.max_tokens)
     events = start(state, prepared)
     output = state.output_processor(chat)
+    # Cancelling a finished request is a no-op; this catches a client that leaves
+    # before the response even started reading events.
+    cancel = functools.partial(state.engine.cancel, completion_id)
     if chat.stream:
-        return EventStreamResponse(_stream(state, events, output, completion_id, chat))
+        return EventStreamResponse(_stream(state, events, output, completion_id, chat), on_close=cancel)
     result = await unless_disconnected(_respond(state, events, output, completion_id), request.receive)
-    return result if result is not None else Response(status_code=499)
+    if result is None:
+        cancel()
+        return Response(status_code=499)
+    return result
 
 
 async def _respond(state: AppState, events, output: OutputProcessor, completion_id: str):

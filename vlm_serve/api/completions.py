@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from starlette.requests import Request
@@ -62,10 +63,15 @@ async def completions(request: Request) -> Response:
     state.apply_limits(prepared, max_tokens if max_tokens is not None else 16)
     events = start(state, prepared)
     stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    cancel = functools.partial(state.engine.cancel, completion_id)  # see chat.py
     if body.get("stream") is True:
-        return EventStreamResponse(_stream(state, events, completion_id, bool(stream_options.get("include_usage"))))
+        include_usage = bool(stream_options.get("include_usage"))
+        return EventStreamResponse(_stream(state, events, completion_id, include_usage), on_close=cancel)
     result = await unless_disconnected(_respond(state, events, completion_id), request.receive)
-    return result if result is not None else Response(status_code=499)
+    if result is None:
+        cancel()
+        return Response(status_code=499)
+    return result
 
 
 async def _respond(state: AppState, events, completion_id: str) -> JSONResponse:

@@ -7,7 +7,7 @@ request's row leaves the batch instead of generating for nobody.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.types import Receive, Scope, Send
 
@@ -38,8 +38,14 @@ async def unless_disconnected(work: Awaitable[T], receive: Receive) -> T | None:
 class EventStreamResponse:
     """``text/event-stream`` of the byte chunks of ``body``, stopped by a disconnect."""
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
         self.body = body
+        self.on_close = on_close  # runs however the stream ends, even before it started
         self.headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -57,3 +63,6 @@ class EventStreamResponse:
             await unless_disconnected(pump(), receive)
         except OSError:
             pass  # the client went away mid-send
+        finally:
+            if self.on_close is not None:
+                self.on_close()
