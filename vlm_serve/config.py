@@ -23,7 +23,7 @@ class ServerConfig:
     prefill_token_budget: int = 2048
     vision_cache_size: int = 64
     prefix_cache_size: int = 16
-    prefix_cache_gb: float = 4.0
+    prefix_cache_gb: float = 2.0
     request_timeout_s: float | None = None
     cpu_workers: int = 4
 
