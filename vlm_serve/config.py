@@ -20,7 +20,7 @@ class ServerConfig:
     max_model_len: int | None = None  # None: from the model config
     default_max_tokens: int = 1024
     prefill_step_size: int = 512
-    prefill_token_budget: int = 2048
+    prefill_token_budget: int | None = None  # None: 2048 on a GPU, 512 on the CPU
     vision_cache_size: int = 64
     prefix_cache_size: int = 16
     prefix_cache_gb: float = 2.0

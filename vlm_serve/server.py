@@ -30,13 +30,22 @@ def resolve_model(config: ServerConfig) -> str:
     return str(path)
 
 
+def default_prefill_budget() -> int:
+    """Prompt tokens prefilled per scheduler turn. Measured on the demo model (CPU,
+    c=16): 512 gives both more throughput and lower TTFT than 2048; on an H200 with a
+    4B model, 2048 keeps bursts of image requests from waiting many turns."""
+    import mlx.core as mx
+
+    return 512 if mx.default_device() == mx.cpu else 2048
+
+
 def build_engine(config: ServerConfig) -> Engine:
     engine = Engine(
         resolve_model(config),
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             prefill_step_size=config.prefill_step_size,
-            prefill_token_budget=config.prefill_token_budget,
+            prefill_token_budget=config.prefill_token_budget or default_prefill_budget(),
             prefix_cache_entries=config.prefix_cache_size,
             prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)),
         ),
