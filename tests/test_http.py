@@ -230,3 +230,16 @@ def test_failure_outside_any_step_fails_requests_and_engine_continues(server, mo
     assert r.status_code == 500 and "admission bug" in r.json()["error"]["message"]
     ok = chat(server.client(), [{"role": "user", "content": "again"}], max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_health_answers_at_once_while_generating(server):
+    body = {"messages": [{"role": "user", "content": "long one"}], "max_tokens": 300, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(httpx.post, server.base_url + "/v1/chat/completions", json=body, timeout=60)
+                   for _ in range(4)]
+        _wait_until(lambda: len(server.scheduler.running) >= 2)
+        for _ in range(5):
+            t = time.monotonic()
+            assert httpx.get(server.base_url + "/health", timeout=5).json()["status"] == "ok"
+            assert time.monotonic() - t < 0.5
+        assert all(f.result().status_code == 200 for f in running)
