@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 
 from starlette.requests import Request
@@ -10,8 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..engine.types import GenerationEvent
 from ..preprocess.prompt import prepare_chat
-from .disconnect import EventStreamResponse, unless_disconnected
-from .generation import run_to_end, start, stream_sse
+from .generation import deliver, run_to_end, start, stream_sse
 from .output import OutputProcessor, merge_deltas
 from .responses import ChunkWriter, finish_reason, logprob_content, new_id, usage
 from .schemas import ChatRequest, parse_chat_request
@@ -31,16 +29,10 @@ async def chat_completions(request: Request) -> Response:
     state.apply_limits(prepared, chat.max_tokens)
     events = start(state, prepared)
     output = state.output_processor(chat)
-    # Cancelling a finished request is a no-op; this catches a client that leaves
-    # before the response even started reading events.
-    cancel = functools.partial(state.engine.cancel, completion_id)
-    if chat.stream:
-        return EventStreamResponse(_stream(state, events, output, completion_id, chat), on_close=cancel)
-    result = await unless_disconnected(_respond(state, events, output, completion_id), request.receive)
-    if result is None:
-        cancel()
-        return Response(status_code=499)
-    return result
+    stream = _stream(state, events, output, completion_id, chat) if chat.stream else None
+    return await deliver(
+        state, request, completion_id, stream, lambda: _respond(state, events, output, completion_id)
+    )
 
 
 async def _respond(state: AppState, events, output: OutputProcessor, completion_id: str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 
 from starlette.requests import Request
@@ -10,9 +9,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..engine.types import GenerationEvent, TokenLogprob
 from ..preprocess.prompt import prepare_prompt
-from .disconnect import EventStreamResponse, unless_disconnected
 from .errors import bad_request
-from .generation import run_to_end, start, stream_sse
+from .generation import deliver, run_to_end, start, stream_sse
 from .responses import ChunkWriter, finish_reason, new_id, usage
 from .schemas import sampling_from
 from .state import AppState, read_json
@@ -63,15 +61,10 @@ async def completions(request: Request) -> Response:
     state.apply_limits(prepared, max_tokens if max_tokens is not None else 16)
     events = start(state, prepared)
     stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-    cancel = functools.partial(state.engine.cancel, completion_id)  # see chat.py
+    stream = None
     if body.get("stream") is True:
-        include_usage = bool(stream_options.get("include_usage"))
-        return EventStreamResponse(_stream(state, events, completion_id, include_usage), on_close=cancel)
-    result = await unless_disconnected(_respond(state, events, completion_id), request.receive)
-    if result is None:
-        cancel()
-        return Response(status_code=499)
-    return result
+        stream = _stream(state, events, completion_id, bool(stream_options.get("include_usage")))
+    return await deliver(state, request, completion_id, stream, lambda: _respond(state, events, completion_id))
 
 
 async def _respond(state: AppState, events, completion_id: str) -> JSONResponse:

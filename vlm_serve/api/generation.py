@@ -4,11 +4,16 @@ and streaming it as server-sent events with heartbeats and in-band errors."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 from ..engine.types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
+from .disconnect import EventStreamResponse, unless_disconnected
 from .errors import APIError
 from .responses import SSE_DONE, SSE_HEARTBEAT, sse
 from .state import AppState
@@ -20,6 +25,27 @@ def start(state: AppState, prepared: PreparedRequest) -> AsyncIterator[Generatio
     """Submit to the engine; the events come back with metrics recorded."""
     arrived = time.monotonic()
     return state.metrics.observe(state.submit(prepared), arrived)
+
+
+async def deliver(
+    state: AppState,
+    request: Request,
+    request_id: str,
+    stream: AsyncIterator[bytes] | None,
+    respond: Callable[[], Awaitable[Response]],
+) -> Response:
+    """The response of a submitted request: ``stream`` as server-sent events, or the
+    awaited ``respond()``. Either way a client that leaves cancels the request, even one
+    that leaves before the response starts reading events (cancelling a finished
+    request is a no-op)."""
+    cancel = functools.partial(state.engine.cancel, request_id)
+    if stream is not None:
+        return EventStreamResponse(stream, on_close=cancel)
+    result = await unless_disconnected(respond(), request.receive)
+    if result is None:
+        cancel()
+        return Response(status_code=499)
+    return result
 
 
 def error_of(event: GenerationEvent) -> APIError | None:
