@@ -140,6 +140,15 @@ class Reader:
             i += 1
         self.pos = i
 
+    def next_char(self) -> str:
+        """Skip whitespace and return the next character; running out of text there is
+        unterminated (at the end) or incomplete (more may come)."""
+        self.skip_ws()
+        c = self.char(self.pos)
+        if c == "":
+            self.more()
+        return c
+
     def _ws_end(self, i: int) -> int:
         text = self.text
         while i < len(text) and text[i] in WS:
@@ -163,10 +172,7 @@ class Reader:
 
     def read_value(self, closer: str, in_object: bool) -> Any:
         """One value inside a container that ends with ``closer``."""
-        self.skip_ws()
-        c = self.char(self.pos)
-        if c == "":
-            self.more()
+        c = self.next_char()
         if self.raw_quote and c == self.raw_quote[0] and self.starts(self.raw_quote):
             return self.read_raw()
         if c in ("'", '"'):
@@ -277,10 +283,7 @@ class Reader:
         """Items up to ``closer`` (the opening bracket already read)."""
         items: list[Any] = []
         while True:
-            self.skip_ws()
-            c = self.char(self.pos)
-            if c == "":
-                self.more()
+            c = self.next_char()
             if c == closer:
                 self.pos += 1
                 return items
@@ -288,10 +291,7 @@ class Reader:
                 self.pos += 1
                 continue
             items.append(self.read_value(closer, in_object=False))
-            self.skip_ws()
-            c = self.char(self.pos)
-            if c == "":
-                self.more()
+            c = self.next_char()
             if c != closer and c != "," and c not in "\"'{[(" and not c.isdigit():
                 raise Invalid(f"unexpected {c!r} in a list")
 
@@ -309,10 +309,7 @@ class Reader:
         """
         pairs: list[tuple[str | None, Any]] = []
         while True:
-            self.skip_ws()
-            c = self.char(self.pos)
-            if c == "":
-                self.more()
+            c = self.next_char()
             if c == closer:
                 self.pos += 1
                 return pairs
@@ -325,10 +322,7 @@ class Reader:
             if key is not None and key_ok is not None and not key_ok(key):
                 raise Invalid(f"unexpected key {key!r}")
             pairs.append((key, self.read_value(closer, in_object=True)))
-            self.skip_ws()
-            c = self.char(self.pos)
-            if c == "":
-                self.more()
+            c = self.next_char()
             if c != closer and c not in (",", ";") and not self.keylike(self.pos):
                 raise Invalid(f"unexpected {c!r} after a value")
 
