@@ -21,7 +21,7 @@ from mlx_vlm import load
 from mlx_vlm.models import cache as vlm_cache
 from PIL import Image
 
-from vlm_serve.engine.adapters import adapter_for
+from vlm_serve.engine.families import family_for
 from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, render_chat, tokenize
 
@@ -42,13 +42,13 @@ def vision_time(model, processor, model_type: str, size: int, reps: int) -> dict
     ctx = PromptContext(processor, model_type, MediaPolicy(), 1)
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
-    prompt = render_chat(processor, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}])
+    prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}])
     ids, inputs = tokenize(ctx, prompt, [image])
-    adapter = adapter_for(model)
+    family = family_for(model)
     input_ids = mx.array(ids)[None]
     arrays = {k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v) for k, v in inputs.items()}
-    with_image = timed(lambda: mx.eval(adapter.embed(input_ids, arrays)[0]), reps)
-    text_only = timed(lambda: mx.eval(adapter.embed(input_ids, {})[0]), reps)
+    with_image = timed(lambda: mx.eval(family.embed(input_ids, arrays)[0]), reps)
+    text_only = timed(lambda: mx.eval(family.embed(input_ids, {})[0]), reps)
     return {"image_size": size, "prompt_tokens": int(ids.size), "vision_ms": 1000 * (with_image - text_only)}
 
 

@@ -73,9 +73,9 @@ def main() -> None:
     engine = Engine(args.model, SchedulerConfig(max_num_seqs=args.concurrency))
     engine.start()
     loaded = engine.loaded
-    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4)
+    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
     rng = np.random.default_rng(0)
-    prompt = render_chat(loaded.processor, [{"role": "user", "content": [
+    prompt = render_chat(ctx, [{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": " ".join(["describe the picture in detail"] * 12)}]}])
 
     def request(i: int):

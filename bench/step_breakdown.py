@@ -20,7 +20,7 @@ import numpy as np
 from mlx_vlm import load
 from mlx_vlm.models import cache as vlm_cache
 
-from vlm_serve.engine.adapters import adapter_for
+from vlm_serve.engine.families import family_for
 from vlm_serve.engine.batch import Batch, JoiningRow
 from vlm_serve.engine.prefill import Prefill
 from vlm_serve.engine.sampling import BatchSampler
@@ -71,20 +71,20 @@ def plain_step(model, batch, context, steps, array_offset=False) -> float:
 def build_engine_batch(model, batch: int, context: int, max_tokens: int, ragged: bool) -> Batch:
     """The engine's own batch of ``batch`` prefilled text rows of about ``context`` tokens
     (of different lengths when ``ragged``, so the batch caches are left-padded)."""
-    adapter = adapter_for(model)
+    family = family_for(model)
     vocab = model.language_model(mx.zeros((1, 1), mx.int32)).logits.shape[-1]
-    engine_batch = Batch(model, adapter, vocab)
+    engine_batch = Batch(model, family, vocab)
     rng = np.random.default_rng(1)
     for i in range(batch):
         ids = rng.integers(10, 1000, context - (i % 7 if ragged else 0)).astype(np.int32)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        prefill = Prefill(model, adapter, PreparedRequest(f"b{i}", ids, params), 4096)
+        prefill = Prefill(model, family, PreparedRequest(f"b{i}", ids, params), 4096)
         while not prefill.done:
             prefill.step()
         sampler = BatchSampler(vocab)
         sampler.add(params, [])
         first = sampler.sample(prefill.logits).tokens
-        engine_batch.add([JoiningRow(prefill.cache, sampler, first, adapter.row_state(prefill.kwargs))])
+        engine_batch.add([JoiningRow(prefill.cache, sampler, first, prefill.row_state)])
     return engine_batch
 
 

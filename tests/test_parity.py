@@ -40,9 +40,9 @@ class Case:
     stop: list[str] = field(default_factory=list)
 
 
-def chat_prompt(processor, case: Case) -> str:
+def chat_prompt(ctx: PromptContext, case: Case) -> str:
     parts = [{"type": "image"} for _ in case.images] + [{"type": "text", "text": case.text}]
-    return render_chat(processor, [{"role": "user", "content": parts}])
+    return render_chat(ctx, [{"role": "user", "content": parts}])
 
 
 class Harness:
@@ -55,20 +55,20 @@ class Harness:
         self.engine = Engine(path, config)
         self.engine.start()
         loaded = self.engine.loaded
-        self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8)
+        self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
         self.oracle_model, self.oracle_processor = vlm_load(path)
         self._oracle_cache: dict = {}
 
     def prepare(self, case: Case, rid: str, **sampling):
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, stop=case.stop, **sampling)
-        return prepare_prompt(self.ctx, rid, chat_prompt(self.ctx.processor, case), params, case.images)
+        return prepare_prompt(self.ctx, rid, chat_prompt(self.ctx, case), params, case.images)
 
     def oracle(self, case: Case) -> list[int]:
         key = (case.name, case.max_tokens)
         if key not in self._oracle_cache:
             final = None
             for result in stream_generate(
-                self.oracle_model, self.oracle_processor, chat_prompt(self.oracle_processor, case),
+                self.oracle_model, self.oracle_processor, chat_prompt(self.ctx, case),
                 image=case.images or None, max_tokens=case.max_tokens, temperature=0.0,
                 prefill_step_size=PREFILL_STEP,
             ):
@@ -146,7 +146,7 @@ def divergence(h: Harness, case: Case, got: list[int], expected: list[int]) -> s
     i = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
     from mlx_vlm.utils import prepare_inputs
 
-    prompt = chat_prompt(h.oracle_processor, case)
+    prompt = chat_prompt(h.ctx, case)
     inputs = prepare_inputs(h.oracle_processor, images=case.images or None, prompts=prompt)
     ids = mx.concatenate([inputs["input_ids"], mx.array([expected[:i]], mx.int32)], axis=1) if i else inputs["input_ids"]
     kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
@@ -242,11 +242,11 @@ def test_repeated_images_reuse_vision_features_and_match_oracle(harness):
     """A conversation resends its image every turn: the second time the vision tower is
     skipped (features come from the cache) and the tokens are still the oracle's."""
     case = Case("repeat-image", "What is in the picture?", [make_image(48, 40, 11)], max_tokens=10)
-    hits = harness.engine.scheduler.adapter.vision_cache.hits
+    hits = harness.engine.scheduler.family.vision_cache.hits
     first = run_jobs(harness.engine, [(harness.prepare(case, "turn-1"), None, None)])["turn-1"]
     jobs = [(harness.prepare(case, f"turn-2-{i}"), None, None) for i in range(2)]
     later = run_jobs(harness.engine, jobs)
-    assert harness.engine.scheduler.adapter.vision_cache.hits >= hits + 2
+    assert harness.engine.scheduler.family.vision_cache.hits >= hits + 2
     _assert_matches_oracle(harness, case, first)
     for result in later.values():
         _assert_matches_oracle(harness, case, result)
@@ -273,7 +273,7 @@ def _oracle_from_ids(harness, ids: list[int], max_tokens: int) -> list[int]:
 
 def test_prefix_cache_reuses_text_prompts_and_matches_oracle(harness):
     tokenizer = harness.ctx.processor.tokenizer
-    first = tokenizer.encode(chat_prompt(harness.ctx.processor, Case("p", LONG_TEXT)), add_special_tokens=False)
+    first = tokenizer.encode(chat_prompt(harness.ctx, Case("p", LONG_TEXT)), add_special_tokens=False)
     second = first + tokenizer.encode(" And then the story went on for a while longer.", add_special_tokens=False)
     cache = harness.engine.scheduler.prefix_cache
     before = cache.reused_tokens

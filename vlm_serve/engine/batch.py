@@ -3,7 +3,8 @@
 Rows that finished prefill join with their own single-request caches, merged into
 left-padded batch caches (``BatchKVCache`` / ``BatchRotatingKVCache``, one per layer, the
 design of mlx-lm's, as mlx-vlm's cache module provides them). Rows that finish leave at
-once: the caches are filtered.
+once: the caches are filtered. A family that is not batched (``Family.batched``) has at
+most one row, which keeps its own prompt cache, exactly as in single-request generation.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .adapters import ModelAdapter
+from .families import Family
 from .sampling import BatchSampler, SampleOutput
 
 
@@ -29,9 +30,9 @@ class JoiningRow:
 
 
 class Batch:
-    def __init__(self, model, adapter: ModelAdapter, vocab_size: int):
+    def __init__(self, model, family: Family, vocab_size: int):
         self.model = model
-        self.adapter = adapter
+        self.family = family
         self.vocab_size = vocab_size
         self.row_states: list[dict[str, Any]] = []
         self.cache: list | None = None
@@ -53,11 +54,14 @@ class Batch:
         caches are copied once per join, not once per row."""
         if not rows:
             return
-        layers = zip(*(row.cache for row in rows))
-        joining = [type(layer[0]).merge(list(layer)) for layer in layers]
-        if self.cache is None:
-            self.cache = joining
+        if not self.family.batched:
+            if self.cache is not None or len(rows) > 1:
+                raise RuntimeError(f"{self.family.describe()}: cannot batch rows")
+            self.cache = rows[0].cache
+        elif self.cache is None:
+            self.cache = self._merged(rows)
         else:
+            joining = self._merged(rows)
             for mine, theirs in zip(self.cache, joining):
                 mine.extend(theirs)
         firsts = [row.first_token.astype(mx.int32).reshape(1) for row in rows]
@@ -67,6 +71,10 @@ class Batch:
         for row in rows:
             self.sampler.extend(row.sampler)
             self.row_states.append(row.state)
+
+    @staticmethod
+    def _merged(rows: list[JoiningRow]) -> list:
+        return [type(layer[0]).merge(list(layer)) for layer in zip(*(row.cache for row in rows))]
 
     def keep(self, indices: list[int]) -> None:
         """Keep the rows at ``indices``; everything else leaves the batch now."""
@@ -92,8 +100,9 @@ class Batch:
         """Queue one decode step for all rows. Nothing is evaluated here: the returned
         tokens are lazy and already feed the step after this one. ``allowed`` masks the
         tokens of rows under a grammar."""
-        kwargs = self.adapter.decode_kwargs(self.cache, self.row_states)
+        kwargs = self.family.decode_kwargs(self.cache, self.row_states)
         out = self.model.language_model(self.next_tokens[:, None], cache=self.cache, **kwargs)
+        self.family.after_step(out, self.row_states)
         sample = self.sampler.sample(out.logits[:, -1, :], allowed)
         self.next_tokens = sample.tokens
         return sample

@@ -13,7 +13,7 @@ import threading
 from typing import AsyncIterator
 
 from . import loader
-from .adapters import adapter_for
+from .families import family_for
 from .scheduler import Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
 from .types import GenerationEvent, PreparedRequest
 
@@ -63,7 +63,7 @@ class Engine:
             self.loaded = loader.load(self.model_name)
             self.scheduler = Scheduler(
                 self.loaded.model,
-                adapter_for(self.loaded.model, self.vision_cache_size),
+                family_for(self.loaded.model, self.vision_cache_size),
                 self.loaded.tokenizer,
                 self.loaded.detokenizer,
                 self.loaded.eos_token_ids,

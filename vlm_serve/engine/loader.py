@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..preprocess.chat_format import processor_template
 from .detokenize import make_detokenizer
 
 log = logging.getLogger("vlm_serve.engine")
@@ -76,11 +77,21 @@ def _max_model_len(model) -> int:
     return 8192
 
 
-def _chat_template(processor) -> str | None:
-    template = getattr(processor, "chat_template", None)
-    if template is None:
-        template = getattr(getattr(processor, "tokenizer", None), "chat_template", None)
-    return template if isinstance(template, str) else None
+def _chat_template(path: Path, processor) -> str | None:
+    """The checkpoint's own template first (a processor class may carry a built-in one
+    that differs), then whatever the processor or its tokenizer holds."""
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        file = path / name
+        if not file.exists():
+            continue
+        if file.suffix == ".jinja":
+            return file.read_text()
+        template = json.loads(file.read_text()).get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str) and template:
+            return template
+    return processor_template(processor)
 
 
 def load(model: str) -> LoadedModel:
@@ -106,7 +117,7 @@ def load(model: str) -> LoadedModel:
         eos_token_ids=_eos_ids(vlm_model, processor, path),
         vocab_size=vocab_size,
         max_model_len=_max_model_len(vlm_model),
-        chat_template=_chat_template(processor),
+        chat_template=_chat_template(path, processor),
         sampling_defaults=_sampling_defaults(path),
         detokenizer=make_detokenizer(path, getattr(processor, "tokenizer", processor)),
     )

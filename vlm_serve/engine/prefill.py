@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
-from .adapters import ModelAdapter
+from .families import Family
 from .prefix_cache import PrefixCache
 from .types import PreparedRequest
 
@@ -22,23 +22,26 @@ class Prefill:
     def __init__(
         self,
         model,
-        adapter: ModelAdapter,
+        family: Family,
         request: PreparedRequest,
         step_size: int,
         prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
-        self.adapter = adapter
+        self.family = family
         self.request = request
         self.step_size = max(1, step_size)
-        self.prefix_cache = prefix_cache if not request.has_media else None
+        usable = family.prefix_cache and not request.has_media
+        self.prefix_cache = prefix_cache if usable else None
         self.reused = 0  # prompt tokens whose KV came from the prefix cache
+        self.position = 0  # prompt tokens in the cache so far
         self.cache = vlm_cache.make_prompt_cache(model.language_model)
         self.input_ids: mx.array | None = None
         self.embeds: mx.array | None = None
         self.kwargs: dict = {}
         self.chunked = True
         self.logits: mx.array | None = None  # (1, V) once done
+        self.row_state: dict | None = None  # what the row keeps for decoding, once done
 
     @property
     def done(self) -> bool:
@@ -53,8 +56,8 @@ class Prefill:
             k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
             for k, v in req.model_inputs.items()
         }
-        self.embeds, self.kwargs = self.adapter.embed(self.input_ids, inputs, req.image_digests)
-        self.chunked = self.adapter.can_chunk_prefill(
+        self.embeds, self.kwargs = self.family.embed(self.input_ids, inputs, req.image_digests)
+        self.chunked = self.family.can_chunk_prefill(
             self.input_ids, self.embeds, self.cache, self.kwargs
         )
         if self.prefix_cache is not None:
@@ -64,6 +67,7 @@ class Prefill:
                 # whole prompt: the models slice it by the cache offset, as mlx-vlm's own
                 # prompt caching does.
                 self.cache = cache
+                self.position = self.reused
                 self.input_ids = self.input_ids[:, self.reused:]
                 self.embeds = self.embeds[:, self.reused:]
         mx.async_eval(self.embeds)
@@ -81,6 +85,7 @@ class Prefill:
             return self.start()
         lm = self.model.language_model
         remaining = self.embeds.shape[1]
+        start = self.position
         if self.chunked and remaining > 1:
             n = min(self.step_size, remaining - 1)
             lm(
@@ -89,19 +94,22 @@ class Prefill:
                 cache=self.cache,
                 n_to_process=n,
                 logits_to_keep=1,
-                **self.kwargs,
+                **self.family.chunk_kwargs(self.kwargs, start, start + n),
             )
             mx.async_eval([c.state for c in self.cache])
             self.input_ids = self.input_ids[:, n:]
             self.embeds = self.embeds[:, n:]
+            self.position += n
             return n
         out = lm(
             self.input_ids[:, -remaining:],
             inputs_embeds=self.embeds,
             cache=self.cache,
             logits_to_keep=1,
-            **self.kwargs,
+            **self.family.chunk_kwargs(self.kwargs, start, start + remaining),
         )
         self.logits = out.logits[:, -1, :]  # lazy: read back with the first token
+        self.row_state = self.family.row_state(self.kwargs, out)
+        self.position += remaining
         self.input_ids = self.embeds = None
         return remaining

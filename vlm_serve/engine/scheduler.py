@@ -19,9 +19,9 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .adapters import ModelAdapter
 from .batch import Batch, JoiningRow
 from .detokenize import TextAssembler
+from .families import Family
 from .grammar import GrammarCompiler, allowed_tokens
 from .prefill import Prefill
 from .prefix_cache import PrefixCache
@@ -90,7 +90,7 @@ class Scheduler:
     def __init__(
         self,
         model,
-        adapter: ModelAdapter,
+        family: Family,
         tokenizer,
         detokenizer,
         eos_token_ids: set[int],
@@ -99,7 +99,7 @@ class Scheduler:
         config: SchedulerConfig,
     ):
         self.model = model
-        self.adapter = adapter
+        self.family = family
         self.detokenizer = detokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
@@ -109,11 +109,11 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.prefilling: deque[RequestState] = deque()
         self.running: list[RequestState] = []
-        self.batch = Batch(model, adapter, vocab_size)
+        self.batch = Batch(model, family, vocab_size)
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.prefix_cache = (
             PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
-            if config.prefix_cache_entries > 0 else None
+            if config.prefix_cache_entries > 0 and family.prefix_cache else None
         )
         self._outbox: list[GenerationEvent] = []
         self._inflight: Step | None = None
@@ -204,7 +204,8 @@ class Scheduler:
                 self._remove(state.id, FinishReason.TIMEOUT, "request timed out")
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_num_seqs:
+        limit = self.config.max_num_seqs if self.family.batched else 1
+        while self.waiting and len(self.running) + len(self.prefilling) < limit:
             state = self.waiting.popleft()
             if state.request.sampling.grammar is not None:
                 try:
@@ -213,7 +214,7 @@ class Scheduler:
                     self._finish(state, FinishReason.ERROR, error=f"grammar failed: {exc}")
                     continue
             state.prefill = Prefill(
-                self.model, self.adapter, state.request, self.config.prefill_step_size,
+                self.model, self.family, state.request, self.config.prefill_step_size,
                 self.prefix_cache,
             )
             self.prefilling.append(state)
@@ -239,7 +240,7 @@ class Scheduler:
             state.reused_tokens = prefill.reused
             # The row joins with its first token still lazy; it is read back right after
             # the next decode step is queued, so the device never idles on the way.
-            row = JoiningRow(prefill.cache, sampler, out.tokens, self.adapter.row_state(prefill.kwargs))
+            row = JoiningRow(prefill.cache, sampler, out.tokens, prefill.row_state)
             first = Step(out, [state], self._logprob_arrays(out, [state]))
             self._ready.append(row)
             self.running.append(state)

@@ -8,12 +8,13 @@ handed to the worker, which alone makes MLX arrays.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from mlx_vlm.utils import process_inputs, should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
+from .chat_format import ChatFormat, processor_template
 from .media import MediaError, MediaPolicy, image_digest, load_image
 from .tool_prompt import inline_tools, template_handles_tools, text_of
 
@@ -26,13 +27,21 @@ class PromptError(ValueError):
 
 @dataclass
 class PromptContext:
-    """What preprocessing needs to know about the served model."""
+    """What preprocessing needs to know about the served model. ``chat_template``
+    defaults to the processor's (or its tokenizer's) own."""
 
     processor: object
     model_type: str
     media: MediaPolicy
     max_images: int
     chat_template: str | None = None
+    chat_format: ChatFormat = field(init=False)
+
+    def __post_init__(self):
+        if self.chat_template is None:
+            self.chat_template = processor_template(self.processor)
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.chat_format = ChatFormat.detect(tokenizer, self.chat_template, self.model_type)
 
 
 def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -77,19 +86,13 @@ def _template_tool_call(call: dict) -> dict:
 
 
 def render_chat(
-    processor, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None
+    ctx: PromptContext, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None
 ) -> str:
     kwargs = dict(template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
-    # Some processors (e.g. mlx-vlm's Gemma3Processor) leave the template on the tokenizer.
-    target = processor
-    if getattr(processor, "chat_template", None) is None and hasattr(processor, "tokenizer"):
-        target = processor.tokenizer
     try:
-        return target.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **kwargs
-        )
+        return ctx.chat_format.render(ctx.processor, messages, **kwargs)
     except Exception as exc:  # template errors are caused by the request's shape
         raise PromptError(f"could not render the chat template: {exc}", "messages") from exc
 
@@ -145,7 +148,7 @@ def prepare_chat(
     uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools and not template_handles_tools(ctx.chat_template):
         hf_messages, tools = inline_tools(hf_messages, tools or []), None
-    prompt = render_chat(ctx.processor, hf_messages, tools, template_kwargs)
+    prompt = render_chat(ctx, hf_messages, tools, template_kwargs)
     return prepare_prompt(ctx, request_id, prompt, sampling, images)
 
 

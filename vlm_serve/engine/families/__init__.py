@@ -1,0 +1,41 @@
+"""Model families: one module per family, and the registry that picks one for a model.
+
+A model type is batched only once its family has passed the parity suite (batched
+tokens equal mlx-vlm's single-request tokens). Any other model type is served one row
+at a time, which is correct by construction, and the server says so at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .base import Family, SerialFamily
+from .gemma import Gemma3, Gemma4
+from .qwen_vl import QwenVL
+
+log = logging.getLogger("vlm_serve.engine")
+
+# model_type -> family. Keep in step with the README's table of families.
+FAMILIES: dict[str, type[Family]] = {
+    "gemma3": Gemma3,
+    "gemma4": Gemma4,
+    "qwen2_vl": QwenVL,
+    "qwen2_5_vl": QwenVL,
+}
+
+
+def family_for(model, vision_cache_size: int = 64) -> Family:
+    model_type = str(getattr(model.config, "model_type", ""))
+    cls = FAMILIES.get(model_type)
+    if cls is None:
+        family = SerialFamily(
+            model, vision_cache_size,
+            reason=f"model type {model_type!r} is not verified for batched decoding",
+        )
+    else:
+        family = cls(model, vision_cache_size)
+    log.info("model type %s: %s", model_type or "?", family.describe())
+    return family
+
+
+__all__ = ["FAMILIES", "Family", "SerialFamily", "family_for"]

@@ -1,0 +1,144 @@
+"""The family interface, and the two families every model can fall back on.
+
+A family is everything the engine must know about one kind of model. The scheduler,
+prefill and batch are written against this interface only:
+
+- ``embed``: input embeddings for one request (runs the vision tower when it has
+  images) and the language-model arguments its prefill needs, as mlx-vlm's own
+  ``generate_step`` computes them. Everything per request lives in what it returns,
+  never on the model object.
+- ``chunk_kwargs``: the arguments for one prefill chunk of the prompt.
+- ``row_state``: what a row keeps for decoding (rope deltas, cross-attention states).
+- ``decode_kwargs`` / ``after_step``: the arguments of one batched decode step, and what
+  a step's output changes in the rows' state.
+
+``Family`` is the plain case: rows batch with nothing beyond the batch caches.
+``SerialFamily`` serves one row at a time, exactly as mlx-vlm's ``generate_step`` would:
+the row keeps its own cache and carries the outputs mlx-vlm carries between steps. It is
+correct by construction for any model mlx-vlm can generate with, so it is what an
+unverified model type gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..vision_cache import VisionCache
+
+# Keys of ``get_input_embeddings`` output that are not language-model arguments.
+_EMBED_ONLY_KEYS = {"inputs_embeds"}
+# Language-model outputs that mlx-vlm's generate_step feeds to the next step.
+_CARRIED_OUTPUTS = ("cross_attention_states", "encoder_outputs")
+
+
+class Family:
+    name = "generic"
+    batched = True  # rows share one batched decode step
+    prefix_cache = True  # text-only prompts may start from a cached prefix
+
+    def __init__(self, model, vision_cache_size: int = 64):
+        self.model = model
+        self.vision_cache = VisionCache(vision_cache_size)
+
+    def describe(self) -> str:
+        return f"{self.name} family, batched decode"
+
+    def encode_images(self, input_ids: mx.array, pixel_values, inputs: dict):
+        """The projected image features ``get_input_embeddings`` would compute, for
+        families that accept them back as ``cached_image_features``; None otherwise."""
+        return None
+
+    def embed(
+        self, input_ids: mx.array, inputs: dict[str, mx.array], image_key: tuple = ()
+    ) -> tuple[mx.array, dict]:
+        inputs = dict(inputs)
+        pixel_values = inputs.pop("pixel_values", None)
+        mask = inputs.pop("attention_mask", None)
+        if mask is None:
+            mask = mx.ones(input_ids.shape, mx.int32)
+        cached = {}
+        if pixel_values is not None and image_key:
+            features = self.vision_cache.get(image_key)
+            if features is None:
+                features = self.encode_images(input_ids, pixel_values, inputs)
+                if features is not None:
+                    self.vision_cache.put(image_key, features)
+            if features is not None:
+                cached["cached_image_features"] = features
+        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs, **cached)
+        kwargs = {**inputs}
+        kwargs.update(
+            {k: v for k, v in out.to_dict().items() if k not in _EMBED_ONLY_KEYS and v is not None}
+        )
+        return out.inputs_embeds, kwargs
+
+    def can_chunk_prefill(self, input_ids, embeds, cache, kwargs: dict) -> bool:
+        """Whether this prompt may be prefilled in pieces. Some models need the whole
+        prompt at once (e.g. Gemma 4 with bidirectional attention over image tokens);
+        they say so through ``chunked_prefill_policy`` or ``no_chunked_prefill``."""
+        candidates = [self.model, self.model.language_model]
+        for candidate in candidates:
+            policy = getattr(candidate, "chunked_prefill_policy", None)
+            if callable(policy):
+                return bool(
+                    policy(
+                        input_ids=input_ids,
+                        inputs_embeds=embeds,
+                        prompt_cache=cache,
+                        draft_model=None,
+                        draft_kind=None,
+                        prefill_kwargs=kwargs,
+                    )
+                )
+        return not any(getattr(c, "no_chunked_prefill", False) for c in candidates)
+
+    def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
+        """Arguments for prefilling prompt positions ``[start, stop)``. By default the
+        whole prompt's, as mlx-vlm's generate passes them (models slice position
+        metadata by the cache offset themselves)."""
+        return kwargs
+
+    def row_state(self, prefill_kwargs: dict, last_output) -> dict[str, Any]:
+        return {}
+
+    def decode_kwargs(self, cache: list, rows: list[dict[str, Any]]) -> dict:
+        return {}
+
+    def after_step(self, output, rows: list[dict[str, Any]]) -> None:
+        """Update the rows' state from a decode step's language-model output."""
+
+
+class SerialFamily(Family):
+    """One row at a time, mirroring mlx-vlm's ``generate_step``: the row decodes on its
+    own prompt cache and gets whatever mlx-vlm carries from one step to the next."""
+
+    name = "serial"
+    batched = False
+    prefix_cache = False
+
+    def __init__(self, model, vision_cache_size: int = 64, reason: str = ""):
+        super().__init__(model, vision_cache_size)
+        self.reason = reason
+
+    def describe(self) -> str:
+        return f"one request at a time ({self.reason})"
+
+    def row_state(self, prefill_kwargs: dict, last_output) -> dict[str, Any]:
+        return {"carry": _carried(last_output)}
+
+    def decode_kwargs(self, cache: list, rows: list[dict[str, Any]]) -> dict:
+        return dict(rows[0]["carry"]) if rows else {}
+
+    def after_step(self, output, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            rows[0]["carry"] = _carried(output)
+
+
+def _carried(output) -> dict:
+    for key in _CARRIED_OUTPUTS:
+        value = getattr(output, key, None)
+        if value is not None:
+            return {key: value}
+    return {}

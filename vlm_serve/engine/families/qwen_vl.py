@@ -1,0 +1,34 @@
+"""Qwen-VL (Qwen2-VL, Qwen2.5-VL): 3-axis rotary positions (mRoPE).
+
+After an image, a row's text positions run ``rope_delta`` behind its token count. mlx-vlm
+keeps the delta on the language model between calls; here each row carries its own and
+every decode step passes explicit position ids, so rows never read each other's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .base import Family
+
+
+class QwenVL(Family):
+    name = "qwen-vl"
+
+    def encode_images(self, input_ids, pixel_values, inputs):
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        return self.model.vision_tower(
+            pixel_values.astype(dtype), inputs.get("image_grid_thw"), output_hidden_states=False
+        )
+
+    def row_state(self, prefill_kwargs: dict, last_output) -> dict[str, Any]:
+        delta = prefill_kwargs.get("rope_deltas")
+        return {"rope_delta": int(delta.reshape(-1)[0].item()) if delta is not None else 0}
+
+    def decode_kwargs(self, cache: list, rows: list[dict[str, Any]]) -> dict:
+        offsets = mx.maximum(cache[0].offset, 0)
+        deltas = mx.array([r["rope_delta"] for r in rows], mx.int32)
+        positions = (offsets + deltas)[:, None]
+        return {"position_ids": mx.broadcast_to(positions[None], (3, len(rows), 1))}

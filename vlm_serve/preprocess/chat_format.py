@@ -1,0 +1,118 @@
+"""How a model's chat template wants its messages, found out once by rendering probes.
+
+Templates disagree on message content: some read only a string (and fail on a list),
+some read only a list of parts (and silently drop a string), some want images written
+into the text as numbered placeholders. Rather than trust a table, the server renders a
+few probe messages at startup and keeps the shapes that carry the user's words through.
+A checkpoint with no template at all gets mlx-vlm's own prompt formatting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tool_prompt import text_of
+
+_PROBE = "zq7 probe words"
+# Families whose templates take images as numbered placeholders inside string content.
+_NUMBERED_IMAGES = {"phi3_v": "<|image_{n}|>\n", "phi4mm": "<|image_{n}|>\n"}
+
+
+class TemplateError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    template: str | None  # None: the checkpoint has no chat template
+    model_type: str = ""
+    text_as_list: bool = False  # text-only content must be a list of text parts
+    images_as_text: bool = False  # images go into string content as placeholders
+
+    @classmethod
+    def detect(cls, tokenizer, template: str | None, model_type: str = "") -> "ChatFormat":
+        if not template:
+            return cls(None, model_type)
+
+        def renders(content) -> str | None:
+            try:
+                text = _apply(tokenizer, template, [{"role": "user", "content": content}])
+            except Exception:  # noqa: BLE001 - a template that cannot take this shape
+                return None
+            return text if _PROBE in text else None
+
+        as_string = renders(_PROBE)
+        as_list = renders([{"type": "text", "text": _PROBE}])
+        with_image = renders([{"type": "image"}, {"type": "text", "text": _PROBE}])
+        if as_string is None and as_list is None:
+            raise TemplateError("the chat template drops the text of user messages in any shape")
+        return cls(
+            template,
+            model_type,
+            text_as_list=as_string is None,
+            images_as_text=with_image is None or with_image == as_list,
+        )
+
+    def shape(self, messages: list[dict]) -> list[dict]:
+        """Messages with content in the shapes this template renders."""
+        out, image_number = [], 0
+        for msg in messages:
+            content = msg.get("content")
+            if isinstance(content, list) and self.images_as_text:
+                text = ""
+                for part in content:
+                    if part.get("type") == "image":
+                        image_number += 1
+                        text += self._image_text(image_number)
+                    else:
+                        text += part.get("text", "")
+                content = text
+            if isinstance(content, str) and self.text_as_list:
+                content = [{"type": "text", "text": content}] if content else []
+            out.append({**msg, "content": content})
+        return out
+
+    def _image_text(self, n: int) -> str:
+        return _NUMBERED_IMAGES.get(self.model_type, "<image>\n").format(n=n)
+
+    def render(self, processor, messages: list[dict], **kwargs) -> str:
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if self.template is None:
+            return _without_template(processor, self.model_type, messages)
+        return _apply(tokenizer, self.template, self.shape(messages), **kwargs)
+
+
+def processor_template(processor) -> str | None:
+    """The template a processor (or its tokenizer) carries, if any."""
+    for owner in (processor, getattr(processor, "tokenizer", None)):
+        template = getattr(owner, "chat_template", None)
+        if isinstance(template, str) and template:
+            return template
+    return None
+
+
+def _apply(tokenizer, template: str, messages: list[dict], **kwargs) -> str:
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+
+
+def _without_template(processor, model_type: str, messages: list[dict]) -> str:
+    """mlx-vlm's own prompt for a checkpoint that ships no template (e.g. PaliGemma:
+    its prompt is the last user message, image tokens first; the processor adds the
+    rest)."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    user = [m for m in messages if m["role"] == "user"]
+    if not user:
+        raise TemplateError("this model has no chat template; send a user message")
+    content = user[-1].get("content")
+    images = sum(1 for p in content if p.get("type") == "image") if isinstance(content, list) else 0
+    prompt = apply_chat_template(
+        processor, {"model_type": model_type}, text_of(content), num_images=images
+    )
+    if isinstance(prompt, dict):
+        prompt = prompt.get("content", "")
+    if not isinstance(prompt, str):
+        raise TemplateError(f"this model has no chat template and mlx-vlm cannot format {model_type!r} prompts")
+    return prompt
