@@ -17,6 +17,11 @@ from .base import Family
 class QwenVL(Family):
     name = "qwen-vl"
 
+    def __init__(self, model, vision_cache_size: int = 64):
+        super().__init__(model, vision_cache_size)
+        if hasattr(model.vision_tower, "get_window_index"):
+            skip_empty_windows(model.vision_tower)
+
     def encode_images(self, input_ids, pixel_values, inputs):
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
         return self.model.vision_tower(
@@ -32,3 +37,23 @@ class QwenVL(Family):
         deltas = mx.array([r["rope_delta"] for r in rows], mx.int32)
         positions = (offsets + deltas)[:, None]
         return {"position_ids": mx.broadcast_to(positions[None], (3, len(rows), 1))}
+
+
+
+def skip_empty_windows(vision_tower) -> None:
+    """Qwen2.5-VL's window attention, without zero-length windows.
+
+    ``get_window_index`` lists a window boundary once per padded window, so the same
+    offset repeats; mlx-vlm means to drop the repeats, but compares ``mx.array`` scalars
+    by identity, so none are dropped and attention runs on empty windows. On the CPU an
+    empty window is harmless; with bf16 on CUDA it ends the process with SIGFPE. Dropping
+    the repeats here changes no value: an empty window attends to nothing.
+    """
+    window_index = vision_tower.get_window_index
+
+    def get_window_index(grid_thw):
+        index, bounds = window_index(grid_thw)
+        unique = sorted(set(bounds.tolist()))
+        return index, mx.array(unique, dtype=bounds.dtype)
+
+    vision_tower.get_window_index = get_window_index
