@@ -77,7 +77,7 @@ def _max_model_len(model) -> int:
     return 8192
 
 
-def _chat_template(path: Path, processor) -> str | None:
+def resolve_chat_template(path: Path, processor) -> str | None:
     """The checkpoint's own template first (a processor class may carry a built-in one
     that differs), then whatever the processor or its tokenizer holds."""
     for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
@@ -117,7 +117,7 @@ def load(model: str) -> LoadedModel:
         eos_token_ids=_eos_ids(vlm_model, processor, path),
         vocab_size=vocab_size,
         max_model_len=_max_model_len(vlm_model),
-        chat_template=_chat_template(path, processor),
+        chat_template=resolve_chat_template(path, processor),
         sampling_defaults=_sampling_defaults(path),
         detokenizer=make_detokenizer(path, getattr(processor, "tokenizer", processor)),
     )

@@ -125,6 +125,7 @@ class Scheduler:
         self.fault_hook: Callable[[str, list[RequestState]], None] | None = None
         self._stats = {"generated": 0, "since": time.monotonic()}
         self.kv_cache_bytes = 0
+        self.peak_running = 0  # most rows ever decoded together
 
     def stats(self) -> dict:
         """A snapshot for metrics; safe to read from another thread."""
@@ -158,6 +159,7 @@ class Scheduler:
             budget -= self._prefill_step()
         self.batch.add(self._ready)
         self._ready = []
+        self.peak_running = max(self.peak_running, len(self.running))
         if self.running or self._inflight:
             self._decode_step()
 

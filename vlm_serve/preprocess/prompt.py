@@ -7,11 +7,12 @@ handed to the worker, which alone makes MLX arrays.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 
 import numpy as np
-from mlx_vlm.utils import process_inputs, should_add_special_tokens
+from mlx_vlm.utils import should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
 from .chat_format import ChatFormat, processor_template
@@ -109,15 +110,23 @@ def tokenize(
         tokenizer = getattr(processor, "tokenizer", processor)
         ids = tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
         return np.asarray(ids, dtype=np.int32).reshape(-1), {}
-    inputs = process_inputs(
-        processor, prompts=[prompt], images=images, add_special_tokens=add_special,
-        return_tensors="np",
-    )
+    inputs = _process(processor, prompt, images, add_special)
     if "images" in inputs:
         inputs["pixel_values"] = inputs.pop("images")
     ids = _to_numpy(inputs.pop("input_ids")).astype(np.int32).reshape(-1)
     model_inputs = {k: _to_numpy(v) for k, v in inputs.items() if v is not None}
     return ids, model_inputs
+
+
+def _process(processor, prompt: str, images: list, add_special: bool) -> dict:
+    """The processor call of mlx-vlm's ``process_inputs`` for one prompt, without its
+    ``padding`` argument: one prompt needs none, and transformers 5 image processors
+    reject the unknown keyword when a processor forwards it (LLaVA's does)."""
+    method = getattr(processor, "process", processor)
+    args = {"text": [prompt], "images": images, "return_tensors": "np"}
+    if "add_special_tokens" in inspect.signature(method).parameters:
+        args["add_special_tokens"] = add_special
+    return method(**args)
 
 
 def _to_numpy(value):

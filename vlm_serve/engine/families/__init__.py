@@ -21,6 +21,12 @@ FAMILIES: dict[str, type[Family]] = {
     "gemma4": Gemma4,
     "qwen2_vl": QwenVL,
     "qwen2_5_vl": QwenVL,
+    # No per-request state beyond the batch caches: the plain family batches them.
+    "mistral3": Family,
+    "kimi_vl": Family,
+    "llava": Family,
+    "idefics3": Family,
+    "smolvlm": Family,
 }
 
 
