@@ -51,8 +51,11 @@ class FamilyHarness:
                                  loaded.chat_template)
         self.oracle_model, _ = vlm_load(path)
 
-    def prepare(self, rid: str, text: str, images=(), max_tokens: int = 8):
+    def prepare(self, rid: str, text: str, images=(), max_tokens: int = 8, lead: str = ""):
+        """A user turn: ``lead`` text, then the images, then ``text``."""
         parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        if lead:
+            parts.insert(0, {"type": "text", "text": lead})
         prompt = render_chat(self.ctx, [{"role": "user", "content": parts}])
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         return prepare_prompt(self.ctx, rid, prompt, params, list(images))
@@ -103,6 +106,9 @@ def _requests(h: FamilyHarness):
     for i, (rid, text, images, n) in enumerate(specs):
         start_after = None if i < 3 else ("image-a", 2 + i)
         out.append((h.prepare(rid, text, images, n), start_after, None))
+    # An image that lands in a later prefill chunk, after a long lead text.
+    lead = LONG_TEXT[:240]
+    out.append((h.prepare("image-mid", "What follows?", [make_image(64, 64, 6)], 8, lead), None, None))
     return out
 
 

@@ -11,7 +11,8 @@ import logging
 
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
-from .qwen_vl import QwenVL
+from .glm4v import Glm4V
+from .qwen_vl import Qwen3VL, QwenVL
 
 log = logging.getLogger("vlm_serve.engine")
 
@@ -21,6 +22,8 @@ FAMILIES: dict[str, type[Family]] = {
     "gemma4": Gemma4,
     "qwen2_vl": QwenVL,
     "qwen2_5_vl": QwenVL,
+    "qwen3_vl": Qwen3VL,
+    "glm4v": Glm4V,
     # No per-request state beyond the batch caches: the plain family batches them.
     "mistral3": Family,
     "kimi_vl": Family,

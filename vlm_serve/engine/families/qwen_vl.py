@@ -40,6 +40,19 @@ class QwenVL(Family):
 
 
 
+class Qwen3VL(QwenVL):
+    """Qwen3-VL: mRoPE as Qwen2.5-VL, plus DeepStack image features added to the first
+    layers' hidden states during prefill. Its prefill runs on the request's own cache,
+    where the model slices the DeepStack rows by the cache offset itself. mlx-vlm drops
+    the DeepStack features when given ``cached_image_features``, so the vision-feature
+    cache stays off for this family: the tower runs for every request."""
+
+    name = "qwen3-vl"
+
+    def encode_images(self, input_ids, pixel_values, inputs):
+        return None
+
+
 def skip_empty_windows(vision_tower) -> None:
     """Qwen2.5-VL's window attention, without zero-length windows.
 
