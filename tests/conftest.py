@@ -97,6 +97,8 @@ class RunningServer:
         return OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "none"), **kwargs)
 
     def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)

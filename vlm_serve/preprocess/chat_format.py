@@ -26,7 +26,7 @@ class TemplateError(ValueError):
 class ChatFormat:
     template: str | None  # None: the checkpoint has no chat template
     model_type: str = ""
-    text_as_list: bool = False  # text-only content must be a list of text parts
+    list_roles: frozenset = frozenset()  # roles whose text content must be a list of parts
     images_as_text: bool = False  # images go into string content as placeholders
 
     @classmethod
@@ -34,22 +34,34 @@ class ChatFormat:
         if not template:
             return cls(None, model_type)
 
-        def renders(content) -> str | None:
+        def renders(messages) -> str | None:
             try:
-                text = _apply(tokenizer, template, [{"role": "user", "content": content}])
+                text = _apply(tokenizer, template, messages)
             except Exception:  # noqa: BLE001 - a template that cannot take this shape
                 return None
             return text if _PROBE in text else None
 
-        as_string = renders(_PROBE)
-        as_list = renders([{"type": "text", "text": _PROBE}])
-        with_image = renders([{"type": "image"}, {"type": "text", "text": _PROBE}])
-        if as_string is None and as_list is None:
-            raise TemplateError("the chat template drops the text of user messages in any shape")
+        def in_turn(role: str, content) -> list[dict]:
+            probe = {"role": role, "content": content}
+            if role == "user":
+                return [probe]
+            if role == "system":
+                return [probe, {"role": "user", "content": "Hi."}]
+            return [{"role": "user", "content": "Hi."}, probe, {"role": "user", "content": "Go on."}]
+
+        list_roles = set()
+        for role in ("user", "system", "assistant"):
+            if renders(in_turn(role, _PROBE)) is None:
+                if renders(in_turn(role, [{"type": "text", "text": _PROBE}])) is not None:
+                    list_roles.add(role)
+                elif role == "user":
+                    raise TemplateError("the chat template drops the text of user messages in any shape")
+        as_list = renders([{"role": "user", "content": [{"type": "text", "text": _PROBE}]}])
+        with_image = renders([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _PROBE}]}])
         return cls(
             template,
             model_type,
-            text_as_list=as_string is None,
+            list_roles=frozenset(list_roles),
             images_as_text=with_image is None or with_image == as_list,
         )
 
@@ -67,7 +79,7 @@ class ChatFormat:
                     else:
                         text += part.get("text", "")
                 content = text
-            if isinstance(content, str) and self.text_as_list:
+            if isinstance(content, str) and msg["role"] in self.list_roles:
                 content = [{"type": "text", "text": content}] if content else []
             out.append({**msg, "content": content})
         return out

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 import numpy as np
+from mlx_vlm.prompt_utils import SINGLE_IMAGE_ONLY_MODELS
 from mlx_vlm.utils import should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
@@ -39,6 +40,9 @@ class PromptContext:
     chat_format: ChatFormat = field(init=False)
 
     def __post_init__(self):
+        if self.model_type in SINGLE_IMAGE_ONLY_MODELS:
+            # mlx-vlm's model code for these uses only the first image of a request.
+            self.max_images = min(self.max_images, 1)
         if self.chat_template is None:
             self.chat_template = processor_template(self.processor)
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
@@ -150,7 +154,8 @@ def prepare_chat(
     hf_messages, image_refs = _template_messages(messages)
     if len(image_refs) > ctx.max_images:
         raise PromptError(
-            f"too many images: {len(image_refs)} (at most {ctx.max_images} per request)",
+            f"too many images: {len(image_refs)} (this model takes at most {ctx.max_images} "
+            "per request)",
             "messages", "too_many_images",
         )
     images = [load_image(url, ctx.media, param=param) for url, param in image_refs]

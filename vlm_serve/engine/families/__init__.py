@@ -12,11 +12,14 @@ import logging
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
 from .glm4v import Glm4V
+from .mllama import Mllama
+from .paligemma import PaliGemma
 from .qwen_vl import Qwen3VL, QwenVL
 
 log = logging.getLogger("vlm_serve.engine")
 
-# model_type -> family. Keep in step with the README's table of families.
+# model_type -> family (a ``SerialFamily`` says why it is not batched).
+# Keep in step with the README's table of families.
 FAMILIES: dict[str, type[Family]] = {
     "gemma3": Gemma3,
     "gemma4": Gemma4,
@@ -24,6 +27,8 @@ FAMILIES: dict[str, type[Family]] = {
     "qwen2_5_vl": QwenVL,
     "qwen3_vl": Qwen3VL,
     "glm4v": Glm4V,
+    "paligemma": PaliGemma,
+    "mllama": Mllama,
     # No per-request state beyond the batch caches: the plain family batches them.
     "mistral3": Family,
     "kimi_vl": Family,

@@ -117,10 +117,12 @@ class SerialFamily(Family):
     name = "serial"
     batched = False
     prefix_cache = False
+    reason = "not verified for batched decoding"
 
-    def __init__(self, model, vision_cache_size: int = 64, reason: str = ""):
+    def __init__(self, model, vision_cache_size: int = 64, reason: str | None = None):
         super().__init__(model, vision_cache_size)
-        self.reason = reason
+        if reason:
+            self.reason = reason
 
     def describe(self) -> str:
         return f"one request at a time ({self.reason})"
