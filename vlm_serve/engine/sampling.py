@@ -65,6 +65,9 @@ class BatchSampler:
         if params.needs_penalties or self._counts is not None:
             counts = mx.zeros((1, V), mx.float32)
             seen = mx.zeros((1, V), mx.bool_)
+            # Image placeholders may lie outside the logits' range (Phi-3.5-vision's
+            # negative ids, Llama 3.2 Vision's <|image|> past the LM head): not tokens.
+            prompt_ids = [i for i in prompt_ids if 0 <= i < V]
             if params.repetition_penalty != 1.0 and prompt_ids:
                 seen = seen.at[0, mx.array(prompt_ids, mx.int32)].add(True)
             if self._counts is None:

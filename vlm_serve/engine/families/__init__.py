@@ -14,6 +14,7 @@ from .gemma import Gemma3, Gemma4
 from .glm4v import Glm4V
 from .mllama import Mllama
 from .paligemma import PaliGemma
+from .phi3_v import Phi3V
 from .qwen_vl import Qwen3VL, QwenVL
 
 log = logging.getLogger("vlm_serve.engine")
@@ -29,12 +30,14 @@ FAMILIES: dict[str, type[Family]] = {
     "glm4v": Glm4V,
     "paligemma": PaliGemma,
     "mllama": Mllama,
+    "phi3_v": Phi3V,
     # No per-request state beyond the batch caches: the plain family batches them.
     "mistral3": Family,
     "kimi_vl": Family,
     "llava": Family,
     "idefics3": Family,
     "smolvlm": Family,
+    "internvl_chat": Family,
 }
 
 
@@ -48,7 +51,8 @@ def family_for(model, vision_cache_size: int = 64) -> Family:
         )
     else:
         family = cls(model, vision_cache_size)
-    log.info("model type %s: %s", model_type or "?", family.describe())
+    report = log.info if family.batched else log.warning
+    report("model type %s: %s", model_type or "?", family.describe())
     return family
 
 
