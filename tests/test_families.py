@@ -13,6 +13,7 @@ import itertools
 import os
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_vlm import load as vlm_load
 from mlx_vlm.generate import generate_step
@@ -134,6 +135,24 @@ def test_mixed_batch_with_joining_rows_matches_mlx_vlm(family):
         assert result["tokens"] == expected, (
             f"{family.arch} {prepared.request_id}: batched {result['tokens']} != mlx-vlm {expected}"
         )
+
+
+def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):
+    """Turn 2 of a text chat starts from turn 1's cached prefix where the family allows."""
+    first = family.prepare("turn-1", LONG_TEXT[:300], max_tokens=4)
+    run_jobs(family.engine, [(first, None, None)])
+    second = family.prepare("turn-2", LONG_TEXT[:300], max_tokens=8)
+    tokenizer = getattr(family.ctx.processor, "tokenizer", family.ctx.processor)
+    extra = tokenizer.encode(" And then the story went on.", add_special_tokens=False)
+    second.input_ids = np.concatenate([first.input_ids, np.array(extra, np.int32)])
+    cache = family.engine.scheduler.prefix_cache
+    before = cache.reused_tokens if cache else 0
+    result = run_jobs(family.engine, [(second, None, None)])["turn-2"]
+    assert result["tokens"] == family.oracle(second)
+    if family.engine.scheduler.family.prefix_cache:
+        assert cache.reused_tokens - before >= len(first.input_ids) - 1
+    else:
+        assert cache is None
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,6 +14,8 @@ from .base import Family
 
 class PaliGemma(Family):
     name = "paligemma"
+    # A prefix's keys depend on the tokens after it (bidirectional): never reuse them.
+    prefix_cache = False
 
     def decode_kwargs(self, cache: list, rows: list) -> dict:
         first = cache[0]
