@@ -28,6 +28,7 @@ class ChatFormat:
     model_type: str = ""
     list_roles: frozenset = frozenset()  # roles whose text content must be a list of parts
     images_as_text: bool = False  # images go into string content as placeholders
+    variables: frozenset = frozenset()  # names the template reads from its context
 
     @classmethod
     def detect(cls, tokenizer, template: str | None, model_type: str = "") -> "ChatFormat":
@@ -63,6 +64,7 @@ class ChatFormat:
             model_type,
             list_roles=frozenset(list_roles),
             images_as_text=with_image is None or with_image == as_list,
+            variables=template_variables(template),
         )
 
     def shape(self, messages: list[dict]) -> list[dict]:
@@ -87,11 +89,23 @@ class ChatFormat:
     def _image_text(self, n: int) -> str:
         return _NUMBERED_IMAGES.get(self.model_type, "<image>\n").format(n=n)
 
-    def render(self, processor, messages: list[dict], **kwargs) -> str:
+    def render(self, processor, messages: list[dict], template: str | None = None, **kwargs) -> str:
+        """The prompt for ``messages``; ``template`` overrides the model's own."""
         tokenizer = getattr(processor, "tokenizer", processor)
-        if self.template is None:
+        template = template or self.template
+        if template is None:
             return _without_template(processor, self.model_type, messages)
-        return _apply(tokenizer, self.template, self.shape(messages), **kwargs)
+        return _apply(tokenizer, template, self.shape(messages), **kwargs)
+
+
+def template_variables(template: str) -> frozenset:
+    """The names a template reads from its context (``enable_thinking``, ``date_string``...)."""
+    from jinja2 import Environment, meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(Environment().parse(template)))
+    except Exception:  # noqa: BLE001 - a template jinja2 cannot parse offers no variables
+        return frozenset()
 
 
 def processor_template(processor) -> str | None:

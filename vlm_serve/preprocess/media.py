@@ -19,6 +19,7 @@ import hashlib
 import io
 import os
 import stat
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -65,14 +66,33 @@ class MediaError(ValueError):
         self.code = code
 
 
-def load_image(url: str, policy: MediaPolicy, param: str | None = None) -> Image.Image:
+class PixelBudget:
+    """Decoded pixels one request may still spend on its images, shared by the threads
+    that decode them (checked from each image's header, before its pixels are decoded)."""
+
+    def __init__(self, pixels: int):
+        self.left = pixels
+        self._lock = threading.Lock()
+
+    def spend(self, width: int, height: int) -> None:
+        with self._lock:
+            if width * height > self.left:
+                raise MediaError(
+                    "the request's images have too many pixels in total", code="image_too_large"
+                )
+            self.left -= width * height
+
+
+def load_image(
+    url: str, policy: MediaPolicy, param: str | None = None, budget: PixelBudget | None = None
+) -> Image.Image:
     """Fetch and decode one image into a loaded RGB PIL image (first frame, EXIF-upright).
 
     `param` names the request field (e.g. "messages[1].content[2].image_url") and is
     attached to any MediaError raised.
     """
     try:
-        return decode_image(read_image_bytes(url, policy), policy)
+        return decode_image(read_image_bytes(url, policy), policy, budget)
     except MediaError as exc:
         exc.param = exc.param or param
         raise
@@ -101,7 +121,7 @@ def read_image_bytes(url: str, policy: MediaPolicy) -> bytes:
     )
 
 
-def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
+def decode_image(data: bytes, policy: MediaPolicy, budget: PixelBudget | None = None) -> Image.Image:
     """Decode bytes into a loaded RGB image, checking the pixel count before decoding."""
     if len(data) > policy.max_image_bytes:
         raise _too_large(policy)
@@ -112,6 +132,8 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
             width, height = image.size
             if width * height > policy.max_image_pixels:
                 raise _too_many_pixels(width, height, policy)
+            if budget is not None:
+                budget.spend(width, height)
             image.load()  # first frame only; surface truncation and corruption here
             return _to_rgb(_exif_transpose(image))
     except MediaError:

@@ -17,7 +17,7 @@ from mlx_vlm.utils import should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
 from .chat_format import ChatFormat, processor_template
-from .media import MediaError, MediaPolicy, image_digest, load_image
+from .media import MediaError, MediaPolicy, PixelBudget, image_digest, load_image
 from .tool_prompt import inline_tools, template_handles_tools, text_of
 
 
@@ -37,7 +37,11 @@ class PromptContext:
     media: MediaPolicy
     max_images: int
     chat_template: str | None = None
+    max_prompt_tokens: int | None = None  # the context: longer prompts are refused
+    trust_request_template: bool = False  # clients may send their own chat template
+    max_pixels_per_request: int | None = None
     chat_format: ChatFormat = field(init=False)
+    longest_token_bytes: int = field(init=False)
 
     def __post_init__(self):
         if self.model_type in SINGLE_IMAGE_ONLY_MODELS:
@@ -47,6 +51,25 @@ class PromptContext:
             self.chat_template = processor_template(self.processor)
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.chat_format = ChatFormat.detect(tokenizer, self.chat_template, self.model_type)
+        self.longest_token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """Text longer than this cannot fit the context whatever it says: no token of
+        the vocabulary covers more bytes, so it is refused without tokenizing."""
+        if self.max_prompt_tokens is None:
+            return None
+        return self.max_prompt_tokens * self.longest_token_bytes
+
+
+# Arguments of apply_chat_template that are not template variables, and variables that
+# belong to the server: a client's chat_template_kwargs never set these.
+_RESERVED_TEMPLATE_KWARGS = {
+    "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "chat_template", "bos_token", "eos_token", "raise_exception",
+    "strftime_now",
+}
 
 
 def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -93,11 +116,24 @@ def _template_tool_call(call: dict) -> dict:
 def render_chat(
     ctx: PromptContext, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None
 ) -> str:
-    kwargs = dict(template_kwargs or {})
+    requested = dict(template_kwargs or {})
+    template = requested.pop("chat_template", None)
+    if template is not None and not ctx.trust_request_template:
+        raise PromptError(
+            "chat_template_kwargs.chat_template is refused: this server renders the model's "
+            "own chat template (an operator may allow client templates with "
+            "--trust-request-chat-template)", "chat_template_kwargs", "unsupported_value",
+        )
+    # Only variables the template reads reach it; the rest would change nothing or
+    # reach apply_chat_template itself.
+    kwargs = {
+        k: v for k, v in requested.items()
+        if k in ctx.chat_format.variables and k not in _RESERVED_TEMPLATE_KWARGS
+    }
     if tools:
         kwargs["tools"] = tools
     try:
-        return ctx.chat_format.render(ctx.processor, messages, **kwargs)
+        return ctx.chat_format.render(ctx.processor, messages, template, **kwargs)
     except Exception as exc:  # template errors are caused by the request's shape
         raise PromptError(f"could not render the chat template: {exc}", "messages") from exc
 
@@ -143,6 +179,23 @@ def _to_numpy(value):
     return np.asarray(value)
 
 
+def chat_images(ctx: PromptContext, messages: list[dict]) -> list[tuple[str, str]]:
+    """The (url, request field) of every image in the messages, within the count limit."""
+    _, refs = _template_messages(messages)
+    if len(refs) > ctx.max_images:
+        raise PromptError(
+            f"too many images: {len(refs)} (this model takes at most {ctx.max_images} "
+            "per request)",
+            "messages", "too_many_images",
+        )
+    return refs
+
+
+def load_chat_image(ctx: PromptContext, ref: tuple[str, str], budget: PixelBudget | None):
+    url, param = ref
+    return load_image(url, ctx.media, param=param, budget=budget)
+
+
 def prepare_chat(
     ctx: PromptContext,
     request_id: str,
@@ -150,20 +203,29 @@ def prepare_chat(
     sampling: SamplingParams,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    images: list | None = None,
 ) -> PreparedRequest:
-    hf_messages, image_refs = _template_messages(messages)
-    if len(image_refs) > ctx.max_images:
-        raise PromptError(
-            f"too many images: {len(image_refs)} (this model takes at most {ctx.max_images} "
-            "per request)",
-            "messages", "too_many_images",
-        )
-    images = [load_image(url, ctx.media, param=param) for url, param in image_refs]
+    """Render and tokenize a chat. ``images`` are the messages' images already loaded
+    (in order); when None they are loaded here, one after another."""
+    if images is None:
+        budget = PixelBudget(ctx.max_pixels_per_request) if ctx.max_pixels_per_request else None
+        images = [load_chat_image(ctx, ref, budget) for ref in chat_images(ctx, messages)]
+    hf_messages, _ = _template_messages(messages)
     uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools and not template_handles_tools(ctx.chat_template):
         hf_messages, tools = inline_tools(hf_messages, tools or []), None
     prompt = render_chat(ctx, hf_messages, tools, template_kwargs)
     return prepare_prompt(ctx, request_id, prompt, sampling, images)
+
+
+def check_prompt_size(ctx: PromptContext, text_bytes: int) -> None:
+    """Refuse text that cannot fit the context, before any tokenizer spends time on it."""
+    limit = ctx.max_prompt_bytes
+    if limit is not None and text_bytes > limit:
+        raise PromptError(
+            f"the prompt text ({text_bytes} bytes) cannot fit this model's context of "
+            f"{ctx.max_prompt_tokens} tokens", "messages", "context_length_exceeded",
+        )
 
 
 def prepare_prompt(
@@ -174,6 +236,7 @@ def prepare_prompt(
     images=(),
     add_special_tokens: bool | None = None,
 ) -> PreparedRequest:
+    check_prompt_size(ctx, len(prompt.encode()))
     try:
         ids, model_inputs = tokenize(ctx, prompt, list(images), add_special_tokens)
     except (MediaError, PromptError):
