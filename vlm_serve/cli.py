@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from .config import ServerConfig
 
@@ -30,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     g.add_argument("--cpu-workers", type=int, default=d.cpu_workers,
                    help="threads for image decoding, templating and tokenization")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   dest="shutdown_timeout_s",
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before "
+                        "they are ended with an error (new requests are refused at once; a "
+                        "second signal ends them at once)")
+    g.add_argument("--no-access-log", action="store_false", dest="access_log",
+                   help="don't log a line per request on the vlm_serve.access logger")
     g = p.add_argument_group("scheduling and limits")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="most requests decoded together in one batch")
@@ -69,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow image URLs on private, loopback and link-local addresses")
     g.add_argument("--allowed-local-media-path", default=None,
                    help="directory from which file:// and path image URLs may be read")
+    g.add_argument("--max-pixels-per-request", type=int, default=d.max_pixels_per_request,
+                   help="most decoded image pixels in one request, all its images together")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow clients to send their own chat template in chat_template_kwargs "
+                        "(templates run server-side: enable only for trusted clients)")
     g.add_argument("--tool-call-parser", default=None,
                    choices=["gemma4", "function_gemma", "gemma3"],
                    help="tool-call format; default: chosen from the model's chat template")
@@ -82,9 +95,12 @@ def main(argv: list[str] | None = None) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from .server import run
+    from .server import StartupError, run
 
-    run(config)
+    try:
+        run(config)
+    except StartupError as exc:
+        sys.exit(f"vlm-serve: error: {exc}")
 
 
 if __name__ == "__main__":

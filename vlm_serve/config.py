@@ -13,6 +13,8 @@ class ServerConfig:
     port: int = 8000
     log_level: str = "info"
     api_key: str | None = None
+    shutdown_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight requests may finish
+    access_log: bool = True
 
     # Scheduling and limits
     max_num_seqs: int = 32
@@ -35,6 +37,8 @@ class ServerConfig:
     media_fetch_timeout_s: float = 10.0
     allow_private_media_urls: bool = False
     allowed_local_media_path: str | None = None
+    trust_request_chat_template: bool = False  # clients may send a template in chat_template_kwargs
+    max_pixels_per_request: int = 100_000_000  # decoded image pixels, all images of a request
 
     tool_call_parser: str | None = None  # None: chosen from the model
     extra: dict = field(default_factory=dict)

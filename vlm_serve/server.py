@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import signal
 
 from hypercorn.asyncio import serve
@@ -17,6 +19,20 @@ from .engine.scheduler import SchedulerConfig
 log = logging.getLogger("vlm_serve")
 
 DEMO_MODEL_ARCH = "gemma3"
+HF_REPO_ID = re.compile(r"[\w][\w.-]*/[\w][\w.-]*")  # org/name
+SHUTDOWN_ERROR = "the server is shutting down"
+
+
+class StartupError(Exception):
+    """A problem found before serving, told in one line (no traceback)."""
+
+
+def check_model_arg(model: str | None) -> None:
+    """Fail before anything loads when ``--model`` is neither a path nor a repo id."""
+    if model is None or os.path.exists(os.path.expanduser(model)) or HF_REPO_ID.fullmatch(model):
+        return
+    raise StartupError(f"--model {model}: no such file or directory, and not a Hugging Face "
+                       "repo id (org/name)")
 
 
 def resolve_model(config: ServerConfig) -> str:
@@ -52,7 +68,12 @@ def build_engine(config: ServerConfig) -> Engine:
         max_queue=config.max_queue_size,
         vision_cache_size=config.vision_cache_size,
     )
-    engine.start()
+    try:
+        engine.start()
+    except RuntimeError as exc:
+        cause = exc.__cause__ or exc
+        first_line = (str(cause).strip().splitlines() or [""])[0]
+        raise StartupError(f"{exc}: {type(cause).__name__}: {first_line}") from None
     return engine
 
 
@@ -64,22 +85,67 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc.loglevel = config.log_level.upper()
     # Long generations stream for a long time; don't cut idle keep-alive too early.
     hc.keep_alive_timeout = 75
+    # Hypercorn cancels connections still open this long after shutdown starts. We end
+    # every request ourselves at shutdown_timeout_s; the margin lets those last
+    # answers reach their clients.
+    hc.graceful_timeout = config.shutdown_timeout_s + 5
     return hc
 
 
+def bind_now(hc: HypercornConfig, config: ServerConfig) -> None:
+    """Bind the port before the model loads, so a busy port fails in a second, not
+    after the load; Hypercorn takes the bound sockets over by file descriptor."""
+    try:
+        sockets = hc.create_sockets()
+    except OSError as exc:
+        raise StartupError(f"cannot bind {config.host}:{config.port}: {exc.strerror or exc}") from None
+    hc.bind = [f"fd://{sock.detach()}" for sock in sockets.insecure_sockets]
+
+
 def run(config: ServerConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then stop gracefully: refuse new requests (the
+    listener closes; a request on an open connection gets 503), give those in flight
+    ``shutdown_timeout_s`` to finish, end the rest with an error, stop the engine.
+    A second signal ends the requests in flight at once."""
+    check_model_arg(config.model)
+    hc = hypercorn_config(config)
+    bind_now(hc, config)
     engine = build_engine(config)
     app = create_app(engine, config)
-    shutdown = asyncio.Event()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                engine.abort(SHUTDOWN_ERROR)
+                return
+            log.info("%s: refusing new requests; %d in flight get up to %gs to finish",
+                     sig.name, engine.in_flight, config.shutdown_timeout_s)
+            engine.draining = True
+            stop.set()
+
+        async def abort_when_grace_ends() -> None:
+            await stop.wait()
+            await asyncio.sleep(config.shutdown_timeout_s)
+            if engine.in_flight:
+                log.warning("ending %d requests still in flight", engine.in_flight)
+            engine.abort(SHUTDOWN_ERROR)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, shutdown.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         log.info("serving %s on http://%s:%d", config.model_id, config.host, config.port)
-        await serve(app, hypercorn_config(config), shutdown_trigger=shutdown.wait)
+        # The engine keeps running while Hypercorn drains; serve() returns once every
+        # connection has closed.
+        grace = asyncio.create_task(abort_when_grace_ends())
+        try:
+            await serve(app, hc, shutdown_trigger=stop.wait)
+        finally:
+            grace.cancel()
 
     try:
         asyncio.run(main())
     finally:
         engine.shutdown()
+    log.info("stopped")

@@ -1,19 +1,21 @@
-"""The Starlette application: routes, error envelopes, API-key check."""
+"""The Starlette application: routes, error envelopes, API-key check, access log."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import ServerConfig
-from ..engine.engine import Engine
+from ..engine.engine import Engine, request_record
 from .chat import chat_completions
 from .completions import completions
 from .metrics import metrics_endpoint
@@ -21,6 +23,7 @@ from .errors import APIError
 from .state import AppState
 
 log = logging.getLogger("vlm_serve.api")
+access_log = logging.getLogger("vlm_serve.access")
 
 
 async def health(request: Request) -> JSONResponse:
@@ -80,7 +83,72 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: Engine, config: ServerConfig) -> ASGIApp:
+class GuardMiddleware:
+    """Refuse what must not reach a route: any request once the server is draining
+    (503), and a body framed by both Content-Length and Transfer-Encoding, the
+    request-smuggling shape (400 and close the connection, RFC 9112 section 6.3)."""
+
+    def __init__(self, app: ASGIApp, engine: Engine):
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                error = APIError(400, "both Content-Length and Transfer-Encoding are set",
+                                 code="invalid_framing", headers={"Connection": "close"})
+                await error.response()(scope, receive, send)
+                return
+            if self.engine.draining:
+                error = APIError(503, "the server is shutting down", code="shutting_down",
+                                 headers={"Connection": "close"})
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class AccessLogMiddleware:
+    """One line per request, written when its response ends (a stream: when the
+    stream ends), with the request id and token counts where a generation ran."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500  # what the client sees if the app fails before responding
+        record: dict = {}
+        token = request_record.set(record)
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            request_record.reset(token)
+            client = scope.get("client") or ("-", 0)
+            access_log.info(
+                '%s:%s "%s %s" %d %.1fms id=%s prompt_tokens=%s completion_tokens=%s',
+                client[0], client[1], scope["method"], scope["path"], status,
+                (time.monotonic() - started) * 1000, record.get("request_id", "-"),
+                record.get("prompt_tokens", "-"), record.get("completion_tokens", "-"),
+            )
+
+
+def create_app(engine: Engine, config: ServerConfig) -> Starlette:
+    # Outermost first: the access log sees every answer, the guard's and the key's too.
+    middleware = [Middleware(AccessLogMiddleware)] if config.access_log else []
+    middleware.append(Middleware(GuardMiddleware, engine=engine))
+    if config.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -94,8 +162,7 @@ def create_app(engine: Engine, config: ServerConfig) -> ASGIApp:
             HTTPException: _http_error,
             Exception: _server_error,
         },
+        middleware=middleware,
     )
     app.state.vlm = AppState(engine, config)
-    if config.api_key:
-        return APIKeyMiddleware(app, config.api_key)
     return app

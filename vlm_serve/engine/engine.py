@@ -8,16 +8,22 @@ the scheduler; events come back in one batch per step through
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
+from contextvars import ContextVar
 from typing import AsyncIterator
 
 from . import loader
 from .families import family_for
-from .scheduler import Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
-from .types import GenerationEvent, PreparedRequest
+from .scheduler import Abort, Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
+from .types import FinishReason, GenerationEvent, PreparedRequest
 
 log = logging.getLogger("vlm_serve.engine")
+
+# The access-log record of the HTTP request being served, set by the API's middleware:
+# submit and the request's events fill in its id and token counts.
+request_record: ContextVar[dict | None] = ContextVar("request_record", default=None)
 
 
 class EngineBusy(Exception):
@@ -43,6 +49,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self.draining = False  # set on SIGTERM/SIGINT: the API refuses new requests
+        self._aborted: str | None = None  # set by abort(): the error every request ends with
 
     # -- lifecycle (any thread) ---------------------------------------------------------
 
@@ -54,9 +62,15 @@ class Engine:
             raise RuntimeError(f"failed to load model {self.model_name!r}") from self._load_error
 
     def shutdown(self) -> None:
-        if self.scheduler is not None:
+        if self.scheduler is not None and self._thread.is_alive():
             self.scheduler.inbox.put(Shutdown())
             self._thread.join(timeout=30)
+
+    def abort(self, error: str) -> None:
+        """End every request now with ``error``, and any submitted from now on."""
+        self._aborted = error
+        if self.scheduler is not None:
+            self.scheduler.inbox.put(Abort(error))
 
     def _run(self) -> None:
         try:
@@ -76,7 +90,24 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
-        self.scheduler.run()
+        try:
+            self.scheduler.run()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Finish and free this thread's MLX work before it ends: MLX work or streams
+        left on a thread that ends abort the process at exit with "terminate called
+        without an active exception" (ml-explore/mlx#3126; mx.clear_streams is the
+        cleanup MLX asks threads to do)."""
+        import mlx.core as mx
+
+        mx.synchronize()
+        self.scheduler.release()
+        if self.loaded is not None:
+            self.loaded.model = None
+        gc.collect()
+        mx.clear_streams()
 
     # -- requests (event loop thread) ---------------------------------------------------
 
@@ -90,9 +121,19 @@ class Engine:
             raise EngineBusy(f"{self.in_flight} requests in flight")
         self._loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        record = request_record.get()
+        if record is not None:
+            record.update(request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
+        if self._aborted is not None:
+            # Shutting down: end it at once, the way the requests in flight ended.
+            q.put_nowait(GenerationEvent(
+                request.request_id, finish_reason=FinishReason.CANCELLED, error=self._aborted,
+                prompt_tokens=request.num_prompt_tokens,
+            ))
+            return RequestStream(self, request.request_id, q, record)
         self._queues[request.request_id] = q
         self.scheduler.inbox.put(Submit(request))
-        return RequestStream(self, request.request_id, q)
+        return RequestStream(self, request.request_id, q, record)
 
     def cancel(self, request_id: str) -> None:
         if request_id in self._queues:
@@ -102,7 +143,10 @@ class Engine:
         # Worker thread: hand the whole step's events to the loop in one callback.
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._dispatch, events)
+            try:
+                loop.call_soon_threadsafe(self._dispatch, events)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: nobody is waiting for these events
 
     def _dispatch(self, events: list[GenerationEvent]) -> None:
         for event in events:
@@ -121,16 +165,19 @@ class RequestStream:
     the engine, so its row leaves the batch within a step.
     """
 
-    def __init__(self, engine: Engine, request_id: str, q: asyncio.Queue):
+    def __init__(self, engine: Engine, request_id: str, q: asyncio.Queue, record: dict | None = None):
         self.engine = engine
         self.request_id = request_id
         self._queue = q
         self.finished = False
+        self._record = record
 
     async def __aiter__(self) -> AsyncIterator[GenerationEvent]:
         try:
             while True:
                 event = _merge(await self._queue.get(), self._queue)
+                if self._record is not None:
+                    self._record["completion_tokens"] = event.completion_tokens
                 yield event
                 if event.finished:
                     self.finished = True

@@ -49,6 +49,13 @@ class Shutdown:
 
 
 @dataclass
+class Abort:
+    """End every request now with this error (the server's shutdown grace ran out)."""
+
+    error: str
+
+
+@dataclass
 class RequestState:
     request: PreparedRequest
     text: TextAssembler
@@ -184,6 +191,8 @@ class Scheduler:
             self._remove(msg.request_id, FinishReason.CANCELLED, None)
         elif isinstance(msg, Shutdown):
             self._stopping = True
+        elif isinstance(msg, Abort):
+            self._fail_all(msg.error, FinishReason.CANCELLED)
 
     def _remove(self, request_id: str, reason: FinishReason, error: str | None) -> None:
         for queue_ in (self.waiting, self.prefilling):
@@ -434,6 +443,12 @@ class Scheduler:
         self._joining = []
         self._ready = []
         self.batch.reset()
+
+    def release(self) -> None:
+        """Drop every MLX array this scheduler holds (the worker thread is ending)."""
+        self._fail_all("server is shutting down", FinishReason.CANCELLED)
+        self._flush()
+        self.model = self.family = self.batch = self.prefix_cache = self.grammars = None
 
     def _flush(self) -> None:
         if self._outbox:
