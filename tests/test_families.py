@@ -227,3 +227,24 @@ def test_each_family_over_http_with_the_openai_client(arch, start_server):
             assert "at most 1" in refused.value.body["message"]
     finally:
         server.stop()
+
+
+def test_warm_up_runs_text_and_image_before_ready(caplog):
+    """--warmup: both paths run once at startup, and the engine serves normally after."""
+    import logging
+
+    from vlm_serve.engine.scheduler import SchedulerConfig as Config
+
+    caplog.set_level(logging.INFO, logger="vlm_serve.engine")
+    engine = Engine(str(cached_model("qwen2_5_vl")), Config(max_num_seqs=4), warm=True)
+    engine.start()
+    try:
+        assert any("warm-up: 2 request(s)" in r.getMessage() for r in caplog.records)
+        assert engine.scheduler.running == [] and engine.scheduler.peak_running == 2
+        ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
+                            engine.loaded.chat_template)
+        prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])
+        prepared = prepare_prompt(ctx, "after", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+        assert run_jobs(engine, [(prepared, None, None)])["after"]["error"] is None
+    finally:
+        engine.shutdown()

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before "
                         "they are ended with an error (new requests are refused at once; a "
                         "second signal ends them at once)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a text and an image request through prefill and batched decode "
+                        "before reporting ready, so kernels compile before the first user "
+                        "request; default: on a GPU")
     g.add_argument("--no-access-log", action="store_false", dest="access_log",
                    help="don't log a line per request on the vlm_serve.access logger")
     g = p.add_argument_group("scheduling and limits")

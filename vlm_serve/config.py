@@ -15,6 +15,7 @@ class ServerConfig:
     api_key: str | None = None
     shutdown_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight requests may finish
     access_log: bool = True
+    warmup: bool | None = None  # run every path once before ready; None: on a GPU only
 
     # Scheduling and limits
     max_num_seqs: int = 32

@@ -46,13 +46,17 @@ def resolve_model(config: ServerConfig) -> str:
     return str(path)
 
 
+def on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() != mx.cpu
+
+
 def default_prefill_budget() -> int:
     """Prompt tokens prefilled per scheduler turn. Measured on the demo model (CPU,
     c=16): 512 gives both more throughput and lower TTFT than 2048; on an H200 with a
     4B model, 2048 keeps bursts of image requests from waiting many turns."""
-    import mlx.core as mx
-
-    return 512 if mx.default_device() == mx.cpu else 2048
+    return 2048 if on_gpu() else 512
 
 
 def build_engine(config: ServerConfig) -> Engine:
@@ -67,6 +71,7 @@ def build_engine(config: ServerConfig) -> Engine:
         ),
         max_queue=config.max_queue_size,
         vision_cache_size=config.vision_cache_size,
+        warm=config.warmup if config.warmup is not None else on_gpu(),
     )
     try:
         engine.start()

@@ -18,6 +18,7 @@ from . import loader
 from .families import family_for
 from .scheduler import Abort, Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
 from .types import FinishReason, GenerationEvent, PreparedRequest
+from .warmup import warm_up
 
 log = logging.getLogger("vlm_serve.engine")
 
@@ -37,8 +38,10 @@ class Engine:
         scheduler_config: SchedulerConfig,
         max_queue: int = 256,
         vision_cache_size: int = 64,
+        warm: bool = False,
     ):
         self.model_name = model
+        self.warm = warm  # run every path once before reporting ready
         self.vision_cache_size = vision_cache_size
         self.scheduler_config = scheduler_config
         self.max_queue = max_queue
@@ -85,6 +88,8 @@ class Engine:
                 self._publish,
                 self.scheduler_config,
             )
+            if self.warm:
+                warm_up(self.loaded, self.scheduler)
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             self._load_error = exc
             self._ready.set()

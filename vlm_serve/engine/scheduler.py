@@ -156,6 +156,18 @@ class Scheduler:
         self._fail_all("server is shutting down", FinishReason.CANCELLED)
         self._flush()
 
+    def run_to_completion(self, requests: list[PreparedRequest]) -> None:
+        """Serve ``requests`` to the end on this thread, publishing nothing (warm-up)."""
+        publish, self.publish = self.publish, lambda events: None
+        try:
+            for request in requests:
+                self._handle(Submit(request))
+            while self.waiting or self.prefilling or self.running or self._inflight:
+                self._turn()
+                self._flush()
+        finally:
+            self.publish = publish
+
     def _turn(self) -> None:
         idle = not (self.waiting or self.prefilling or self.running or self._inflight)
         self._drain_inbox(block=idle)
