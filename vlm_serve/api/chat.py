@@ -8,7 +8,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..engine.types import GenerationEvent
-from ..preprocess.prompt import prepare_chat
+from ..preprocess.prompt import PromptError, chat_images, check_prompt_size, prepare_chat
+from ..preprocess.tool_prompt import text_of
+from .errors import bad_request
 from .generation import deliver, run_to_end, start, stream_sse
 from .output import OutputProcessor, merge_deltas
 from .responses import ChunkWriter, finish_reason, logprob_content, new_id, usage
@@ -22,9 +24,17 @@ async def chat_completions(request: Request) -> Response:
     chat = parse_chat_request(body, state.loaded.vocab_size, state.loaded.sampling_defaults)
     state.check_model(chat.model)
     completion_id = new_id("chatcmpl")
+    ctx = state.prompt_context
+    text_bytes = sum(len(text_of(m.get("content")).encode()) for m in chat.messages)
+    try:
+        check_prompt_size(ctx, text_bytes)
+        refs = chat_images(ctx, chat.messages)
+    except PromptError as exc:
+        raise bad_request(exc.message, exc.param, exc.code) from exc
+    images = await state.load_images(refs)
     prepared = await state.run_cpu(
-        prepare_chat, state.prompt_context, completion_id, chat.messages, chat.sampling,
-        chat.active_tools, chat.chat_template_kwargs,
+        prepare_chat, ctx, completion_id, chat.messages, chat.sampling,
+        chat.active_tools, chat.chat_template_kwargs, images, text_bytes=text_bytes,
     )
     state.apply_limits(prepared, chat.max_tokens)
     events = start(state, prepared)

@@ -57,7 +57,10 @@ async def completions(request: Request) -> Response:
         sampling.logprobs, sampling.top_logprobs = True, legacy_lp
     state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
     completion_id = new_id("cmpl")
-    prepared = await state.run_cpu(prepare_prompt, state.prompt_context, completion_id, prompt, sampling, (), True)
+    prepared = await state.run_cpu(
+        prepare_prompt, state.prompt_context, completion_id, prompt, sampling, (), True,
+        text_bytes=len(prompt.encode()),
+    )
     state.apply_limits(prepared, max_tokens if max_tokens is not None else 16)
     events = start(state, prepared)
     stream_options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}

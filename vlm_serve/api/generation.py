@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -19,6 +20,7 @@ from .responses import SSE_DONE, SSE_HEARTBEAT, sse
 from .state import AppState
 
 HEARTBEAT_S = 5.0
+log = logging.getLogger("vlm_serve.api")
 
 
 def start(state: AppState, prepared: PreparedRequest) -> AsyncIterator[GenerationEvent]:
@@ -119,9 +121,12 @@ async def stream_sse(
         if error is not None:
             yield sse(error.body())
             break
-        for chunk in chunks_for(event):
+        try:
+            chunks = chunks_for(event) + (final_chunks(event) if event.finished else [])
+        except Exception:  # a bug of ours: end the stream in-band, not with a torn connection
+            log.exception("could not build a stream chunk")
+            yield sse(APIError(500, "internal server error", code="internal_error").body())
+            break
+        for chunk in chunks:
             yield chunk
-        if event.finished:
-            for chunk in final_chunks(event):
-                yield chunk
     yield SSE_DONE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 
@@ -30,6 +31,15 @@ def finish_reason(reason: FinishReason, has_tool_calls: bool = False) -> str:
     return "length" if reason == FinishReason.LENGTH else "stop"
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for impossible tokens, instead of -inf
+
+
+def finite_logprob(value: float) -> float:
+    """A logprob fit for JSON: tokens a grammar or bias rules out are -inf; report them
+    as OpenAI does."""
+    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def logprob_content(logprobs: list[TokenLogprob], token_text) -> list[dict]:
     """OpenAI ``logprobs.content`` entries; ``token_text`` maps a token id to its text."""
     out = []
@@ -38,10 +48,10 @@ def logprob_content(logprobs: list[TokenLogprob], token_text) -> list[dict]:
         out.append(
             {
                 "token": text,
-                "logprob": lp.logprob,
+                "logprob": finite_logprob(lp.logprob),
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode("utf-8"))}
+                    {"token": token_text(t), "logprob": finite_logprob(v), "bytes": list(token_text(t).encode("utf-8"))}
                     for t, v in lp.top
                 ],
             }
@@ -72,7 +82,9 @@ class ChunkWriter:
 
 
 def sse(body: dict) -> bytes:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode("utf-8")
+    # allow_nan=False, as Starlette's JSONResponse: a stray NaN fails loudly instead of
+    # reaching a client as invalid JSON.
+    return f"data: {json.dumps(body, ensure_ascii=False, allow_nan=False)}\n\n".encode("utf-8")
 
 
 SSE_DONE = b"data: [DONE]\n\n"

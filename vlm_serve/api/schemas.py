@@ -6,6 +6,9 @@ fields are ignored, as OpenAI-compatible servers do.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +18,62 @@ from .errors import bad_request
 
 _MISSING = object()
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+_INT32_MAX = 2**31 - 1  # the engine holds token counts and top_k as int32
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Deep enough for any real JSON Schema or tool definition; shallow enough that nothing
+# downstream (templates, grammar compiler, our own walks) runs out of stack.
+MAX_JSON_DEPTH = 100
+
+
+class _Constant(str):
+    """A ``NaN``/``Infinity`` literal, kept as a marker until its field is known."""
+
+
+# JSON's \uD800-\uDFFF escapes are the only way to put a lone surrogate into a string;
+# such text cannot be encoded as UTF-8 (by the tokenizer, or by our own responses).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def decode_json(raw: bytes) -> Any:
+    """Parse a request body, refusing what Python's json accepts but nobody should
+    send: non-finite numbers (``NaN``, ``Infinity``, ``1e999``), lone surrogates and
+    deep nesting."""
+    try:
+        body = json.loads(raw, parse_constant=_Constant)
+    except RecursionError:
+        raise bad_request(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                          None, "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, integers over 4300 digits
+        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+    _check_json(body, texts=_SURROGATE_ESCAPE.search(raw) is not None)
+    return body
+
+
+def _check_json(body: Any, texts: bool) -> None:
+    """One iterative walk (it cannot itself recurse too deep) over containers and
+    numbers, and over strings too when ``texts`` (the body has surrogate escapes)."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, _Constant) or (isinstance(value, float) and not math.isfinite(value)):
+            raise bad_request(f"'{path}' must be a finite number", path or None)
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise bad_request(f"'{path}' is not valid Unicode (a lone surrogate)", path or None)
+            continue
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                                  path or None, "invalid_json")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if texts and isinstance(key, str) and _SURROGATE.search(key):
+                    raise bad_request(f"a key in '{path or 'the body'}' is not valid Unicode (a lone surrogate)",
+                                      path or None)
+                if isinstance(item, (dict, list, float, _Constant)) or (texts and isinstance(item, str)):
+                    sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+                    stack.append((item, sub, depth + 1))
 
 
 def _type_name(types) -> str:
@@ -34,12 +93,25 @@ def _get(body: dict, name: str, types: tuple, default=None, param: str | None = 
     return value
 
 
-def _number(body, name, default, lo=None, hi=None):
+def _number(body, name, default, lo, hi, above_lo=False):
+    """A number in [lo, hi] (or (lo, hi] with ``above_lo``). NaN fails every comparison,
+    so it is refused explicitly rather than slipping past the range check."""
     value = _get(body, name, (int, float), default)
     if value is None:
         return None
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a finite number", name)
+    if not lo <= value <= hi or (above_lo and value == lo):
+        interval = f"{'(' if above_lo else '['}{lo}, {hi}]"
+        raise bad_request(f"'{name}' must be in {interval}, got {value}", name)
+    return value
+
+
+def _int(body, name, default, lo, hi, param=None):
+    """An integer in [lo, hi]: everything past the edge is held in fixed-width ints."""
+    value = _get(body, name, (int,), default, param)
+    if value is not None and not lo <= value <= hi:
+        raise bad_request(f"'{param or name}' must be an integer between {lo} and {hi}", param or name)
     return value
 
 
@@ -72,31 +144,50 @@ def _check_messages(messages: Any) -> list[dict]:
     if not messages:
         raise bad_request("'messages' must contain at least one message", "messages")
     for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad_request(f"'{where}' must be an object", where, "invalid_type")
-        role = msg.get("role")
-        if role not in _ROLES:
-            raise bad_request(
-                f"'{where}.role' must be one of {sorted(_ROLES)}, got {role!r}", f"{where}.role"
-            )
-        content = msg.get("content")
-        if content is None:
-            if role == "assistant" and msg.get("tool_calls"):
-                continue
-            if role == "assistant":
-                continue
-            raise bad_request(f"'{where}.content' is required", f"{where}.content")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise bad_request(
-                f"'{where}.content' must be a string or an array of content parts",
-                f"{where}.content", "invalid_type",
-            )
-        for j, part in enumerate(content):
-            _check_part(part, f"{where}.content[{j}]", role)
+        _check_message(msg, f"messages[{i}]")
     return messages
+
+
+def _check_message(msg: Any, where: str) -> None:
+    if not isinstance(msg, dict):
+        raise bad_request(f"'{where}' must be an object", where, "invalid_type")
+    role = msg.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise bad_request(f"'{where}.role' must be one of {sorted(_ROLES)}", f"{where}.role")
+    for key in ("name", "tool_call_id"):
+        _get(msg, key, (str,), param=f"{where}.{key}")
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise bad_request("only assistant messages carry 'tool_calls'", f"{where}.tool_calls")
+        _check_tool_calls(calls, f"{where}.tool_calls")
+    content = msg.get("content")
+    if content is None:
+        if role == "assistant":  # a turn that only called tools
+            return
+        raise bad_request(f"'{where}.content' is required", f"{where}.content", "missing_required_parameter")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise bad_request(f"'{where}.content' must be a string or an array of content parts",
+                          f"{where}.content", "invalid_type")
+    for j, part in enumerate(content):
+        _check_part(part, f"{where}.content[{j}]", role)
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}' must be an array of tool calls", where, "invalid_type")
+    for k, call in enumerate(calls):
+        at = f"{where}[{k}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise bad_request(f"'{at}' must be {{\"type\": \"function\", \"function\": {{...}}}}", at, "invalid_type")
+        _get(call, "id", (str,), param=f"{at}.id")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"'{at}.function.name' must be a non-empty string", f"{at}.function.name")
+        # OpenAI sends arguments as a JSON string; an object is what templates want anyway.
+        _get(fn, "arguments", (str, dict), param=f"{at}.function.arguments")
 
 
 def _check_part(part: Any, where: str, role: str) -> None:
@@ -148,6 +239,13 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
+def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    ids = _get(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise bad_request(f"'stop_token_ids' must be token ids in [0, {vocab_size})", "stop_token_ids")
+    return ids
+
+
 def sampling_from(
     body: dict, vocab_size: int, defaults: dict | None = None
 ) -> tuple[SamplingParams, int | None]:
@@ -155,43 +253,35 @@ def sampling_from(
     out take the model's own defaults (its ``generation_config.json``), then OpenAI's."""
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
          **(defaults or {})}
-    max_tokens = _get(body, "max_completion_tokens", (int,), None)
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", (int,), None)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request("'max_tokens' must be at least 1", "max_tokens")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, None, 1, _INT32_MAX)
     n = _get(body, "n", (int,), 1)
     if n != 1:
         raise bad_request("only n=1 is supported", "n", "unsupported_value")
     logprobs = _get(body, "logprobs", (bool,), False)
-    top_logprobs = _get(body, "top_logprobs", (int,), 0)
-    if not 0 <= top_logprobs <= 20:
-        raise bad_request("'top_logprobs' must be between 0 and 20", "top_logprobs")
+    top_logprobs = _int(body, "top_logprobs", 0, 0, 20)
     logit_bias = _logit_bias(body)
     for token in logit_bias:
         if not 0 <= token < vocab_size:
             raise bad_request(f"'logit_bias' token id {token} is out of range", "logit_bias")
-    seed = _get(body, "seed", (int,), None)
+    top_k = _int(body, "top_k", d["top_k"], -1, _INT32_MAX)
     params = SamplingParams(
         max_tokens=max_tokens or 0,
         temperature=_number(body, "temperature", d["temperature"], 0.0, 2.0),
-        top_p=_number(body, "top_p", d["top_p"], 0.0, 1.0),
-        top_k=_get(body, "top_k", (int,), d["top_k"]),
+        top_p=_number(body, "top_p", d["top_p"], 0.0, 1.0, above_lo=True),
+        top_k=max(top_k, 0),  # -1 means disabled, as in vLLM
         min_p=_number(body, "min_p", d["min_p"], 0.0, 1.0),
-        seed=seed,
+        seed=_int(body, "seed", None, _INT64_MIN, _INT64_MAX),
         repetition_penalty=_number(body, "repetition_penalty", d["repetition_penalty"], 0.01, 10.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=logit_bias,
         stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body, vocab_size),
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
         logprobs=logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
     )
-    if params.top_k < 0:
-        raise bad_request("'top_k' must be 0 (disabled) or positive", "top_k")
-    if params.top_p <= 0.0:
-        raise bad_request("'top_p' must be greater than 0", "top_p")
     return params, max_tokens
 
 
@@ -219,6 +309,7 @@ def _tools(body: dict) -> list[dict]:
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object",
                               f"{where}.function.parameters", "invalid_type")
+        _get(fn, "description", (str,), param=f"{where}.function.description")
     return tools
 
 
@@ -230,7 +321,8 @@ def _tool_choice(body: dict, tools: list[dict]):
         if choice == "required" and not tools:
             raise bad_request("tool_choice 'required' needs 'tools'", "tool_choice")
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise bad_request(
             "'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", "
@@ -249,7 +341,7 @@ def parse_chat_request(body: Any, vocab_size: int, defaults: dict | None = None)
     messages = _check_messages(body["messages"])
     stream = _get(body, "stream", (bool,), False)
     stream_options = _get(body, "stream_options", (dict,), {})
-    include_usage = bool(stream_options.get("include_usage", False))
+    include_usage = _get(stream_options, "include_usage", (bool,), False, "stream_options.include_usage")
     sampling, max_tokens = sampling_from(body, vocab_size, defaults)
     sampling.grammar = _response_format(body)
     tools = _tools(body)

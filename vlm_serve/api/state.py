@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,9 +12,10 @@ from starlette.requests import Request
 from ..config import ServerConfig
 from ..engine.engine import Engine, EngineBusy, RequestStream
 from ..engine.types import PreparedRequest
-from ..preprocess.media import MediaError, MediaPolicy
+from ..preprocess.media import MediaError, MediaPolicy, PixelBudget
 from ..preprocess.prompt import PromptContext, PromptError
 from .errors import APIError, bad_request
+from .schemas import decode_json
 from .metrics import Metrics
 from ..tools import detect_parser, get_parser, tool_signatures
 from .output import OutputProcessor
@@ -30,6 +30,12 @@ class AppState:
         self.model_id = config.model_id
         self.max_model_len = config.max_model_len or self.loaded.max_model_len
         self.cpu_pool = ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="vlm-cpu")
+        # Large prompts render and tokenize here, one at a time, so they never hold the
+        # threads that every small request needs.
+        self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="vlm-cpu-large")
+        # Image fetching and decoding have threads of their own: slow image URLs never
+        # stall requests without images.
+        self.media_pool = ThreadPoolExecutor(4 * config.cpu_workers, thread_name_prefix="vlm-media")
         self.prompt_context = PromptContext(
             processor=self.loaded.processor,
             model_type=self.loaded.model_type,
@@ -42,6 +48,9 @@ class AppState:
             ),
             max_images=config.limit_mm_per_prompt,
             chat_template=self.loaded.chat_template,
+            max_prompt_tokens=self.max_model_len,
+            trust_request_template=config.trust_request_chat_template,
+            max_pixels_per_request=config.max_pixels_per_request,
         )
         self.started = int(time.time())
         fmt = config.tool_call_parser or detect_parser(self.loaded.chat_template, self.loaded.model_type)
@@ -57,13 +66,22 @@ class AppState:
             tools = self.tool_parser.streaming(tool_signatures(chat.active_tools))
         return OutputProcessor(self.reasoning, tools)
 
-    async def run_cpu(self, fn, *args):
-        """Run CPU-bound preprocessing on the pool; client-caused failures become 400s."""
+    async def run_cpu(self, fn, *args, text_bytes: int = 0):
+        """Run CPU-bound preprocessing on the pool (the large-prompt lane for text over
+        ``LARGE_PROMPT_BYTES``); client-caused failures become 400s."""
+        pool = self.large_pool if text_bytes > LARGE_PROMPT_BYTES else self.cpu_pool
+        return await _client_errors(asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args)))
+
+    async def load_images(self, refs: list[tuple[str, str]]) -> list:
+        """Fetch and decode a request's images concurrently on the media pool, within its
+        pixel budget."""
+        from ..preprocess.prompt import load_chat_image
+
+        ctx = self.prompt_context
+        budget = PixelBudget(ctx.max_pixels_per_request) if ctx.max_pixels_per_request else None
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self.cpu_pool, functools.partial(fn, *args))
-        except (MediaError, PromptError) as exc:
-            raise bad_request(exc.message, exc.param, exc.code) from exc
+        jobs = [loop.run_in_executor(self.media_pool, load_chat_image, ctx, ref, budget) for ref in refs]
+        return await _client_errors(asyncio.gather(*jobs))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_id, self.config.model):
@@ -108,6 +126,17 @@ class AppState:
         return text
 
 
+# Prompts with more text than this are rendered and tokenized in the large-prompt lane.
+LARGE_PROMPT_BYTES = 64 * 1024
+
+
+async def _client_errors(work):
+    try:
+        return await work
+    except (MediaError, PromptError) as exc:
+        raise bad_request(exc.message, exc.param, exc.code) from exc
+
+
 async def read_json(request: Request, limit: int):
     """The request body as JSON, refusing bodies over ``limit`` bytes (413)."""
     declared = request.headers.get("content-length")
@@ -119,7 +148,5 @@ async def read_json(request: Request, limit: int):
         if size > limit:
             raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
+    # Refuses non-finite numbers and deep nesting too (400s naming the field).
+    return decode_json(b"".join(chunks))

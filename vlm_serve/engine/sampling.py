@@ -15,6 +15,7 @@ import mlx.core as mx
 from .types import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
+LOGPROB_FLOOR = -9999.0
 
 
 def _row_key(seed: int, position: int) -> mx.array:
@@ -194,10 +195,16 @@ class BatchSampler:
 
 
 def top_logprobs(logprobs: mx.array, tokens: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Chosen-token logprob plus the k best (ids, values) per row, best first."""
-    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1)
+    """Chosen-token logprob plus the k best (ids, values) per row, best first. Values
+    are floored at -9999 (OpenAI's convention): masked tokens are -inf, not JSON."""
+    chosen = _floor(mx.take_along_axis(logprobs, tokens[:, None], axis=-1).squeeze(-1))
     if k <= 0:
         empty = mx.zeros((logprobs.shape[0], 0))
         return chosen, empty.astype(mx.int32), empty
     ids = mx.argsort(-logprobs, axis=-1)[:, :k]
-    return chosen, ids, mx.take_along_axis(logprobs, ids, axis=-1)
+    return chosen, ids, _floor(mx.take_along_axis(logprobs, ids, axis=-1))
+
+
+def _floor(x: mx.array) -> mx.array:
+    # The comparison is False for NaN too, so NaN also becomes the floor.
+    return mx.where(x >= LOGPROB_FLOOR, x, LOGPROB_FLOOR)
