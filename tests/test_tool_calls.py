@@ -19,8 +19,10 @@ from vlm_serve.tools import get_parser
 
 from tool_corpus import load_corpus, tool_names_of
 
-# Which fixture tokenizer carries each format's markers as tokens.
-TOKENIZER_ARCH = {"gemma4": "gemma4", "function_gemma": "gemma3", "gemma3": "gemma3"}
+# Which fixture tokenizer carries each format's markers as tokens (or the family's
+# tokenizer, where the fixture has no such tokens: the markers are then split by BPE).
+TOKENIZER_ARCH = {"gemma4": "gemma4", "function_gemma": "gemma3", "gemma3": "gemma3", "hermes": "qwen2_5_vl",
+                  "mistral": "mistral3", "llama3_json": "mllama", "glm4": "glm4v", "kimi_k2": "kimi_vl"}
 
 WEATHER_TOOL = {
     "type": "function",
@@ -36,14 +38,14 @@ WEATHER_TOOL = {
 @pytest.fixture(scope="module")
 def tokenizers(model_path):
     out = {}
-    for arch in ("gemma3", "gemma4"):
+    for arch in sorted(set(TOKENIZER_ARCH.values())):
         path = model_path(arch)
         _, processor = vlm_load(str(path))
         out[arch] = (processor.tokenizer, make_detokenizer(path, processor.tokenizer))
     return out
 
 
-@pytest.mark.parametrize("fmt", ["gemma4", "function_gemma", "gemma3"])
+@pytest.mark.parametrize("fmt", list(TOKENIZER_ARCH))
 def test_corpus_token_by_token_through_detokenizer(fmt, tokenizers):
     tokenizer, detok = tokenizers[TOKENIZER_ARCH[fmt]]
     parser = get_parser(fmt)
@@ -99,14 +101,20 @@ def _answer_ids(server, text: str, end_token: str) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "arch, text, end",
+    "arch, text, end, overrides",
     [
-        ("gemma4", 'Let me check.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>', "<|tool_response>"),
-        ("gemma3", 'Let me check.\n```tool_code\nget_weather(city="Paris", days=3)\n```', "<end_of_turn>"),
+        ("gemma4", 'Let me check.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>', "<|tool_response>", {}),
+        ("gemma3", 'Let me check.\n```tool_code\nget_weather(city="Paris", days=3)\n```', "<end_of_turn>", {}),
+        ("qwen2_5_vl", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+                       "</tool_call>", "<|im_end|>", {}),
+        # Mistral Small 3.1's HF template has no tools: the format is named explicitly.
+        ("mistral3", 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', "</s>",
+         {"tool_call_parser": "mistral"}),
     ],
+    ids=["gemma4", "gemma3", "qwen2_5_vl-hermes", "mistral3-mistral"],
 )
-def test_tool_calls_over_http_streamed_and_not(arch, text, end, start_server, monkeypatch):
-    server = start_server(arch)
+def test_tool_calls_over_http_streamed_and_not(arch, text, end, overrides, start_server, monkeypatch):
+    server = start_server(arch, **overrides)
     steer_to(monkeypatch, _answer_ids(server, text, end))
     client = server.client()
     messages = [{"role": "user", "content": "What's the weather in Paris for 3 days?"}]

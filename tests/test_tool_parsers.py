@@ -118,7 +118,10 @@ def test_stream_random_chunks(fmt, case):
 CLI_CASES = [
     ("gemma4", "preamble"), ("gemma4", "unterminated_at_max_tokens"), ("gemma4", "nested_objects_arrays"),
     ("function_gemma", "bare_space_separated"), ("gemma3", "fence_with_text_around"),
-    ("gemma3", "inline_call_declared"),
+    ("gemma3", "inline_call_declared"), ("hermes", "preamble"), ("hermes", "cut_at_max_tokens"),
+    ("mistral", "v11_two_calls"), ("mistral", "v3_two_calls"), ("llama3_json", "semicolon_separated"),
+    ("llama3_json", "name_only_declared"), ("glm4", "typed_values"), ("glm4", "legacy_glm4"),
+    ("kimi_k2", "two_calls"), ("kimi_k2", "cut_second_call"),
 ]
 
 
@@ -191,6 +194,33 @@ def test_gemma3_tool_fence_streams_before_the_end():
     assert any(isinstance(e, ToolCallDelta) for e in events)
 
 
+def test_open_formats_stream_each_call_when_its_json_closes():
+    parser = get_parser("mistral").streaming()
+    events = parser.feed('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}')
+    assert events[0] == ContentDelta("Sure.") and [e.name for e in events[1:] if e.name] == ["get_weather"]
+    parser = get_parser("llama3_json").streaming()
+    events = parser.feed('<|python_tag|>{"name": "a", "parameters": {}}')
+    assert [e.name for e in events if isinstance(e, ToolCallDelta) and e.name] == ["a"]
+    assert [e.name for e in parser.feed('; {"name": "b", "parameters": {}}') if e.name] == ["b"]
+
+
+def test_llama3_ordinary_json_is_not_held_back():
+    parser = get_parser("llama3_json").streaming()
+    assert parser.feed('Config: {"city": "Paris", "da') == [ContentDelta('Config: {"city": "Paris", "da')]
+
+
+def test_region_formats_emit_calls_at_the_end_marker():
+    for fmt, call, end in [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n', "</tool_call>"),
+        ("glm4", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n", "</tool_call>"),
+        ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+                    "<|tool_call_end|>", "<|tool_calls_section_end|>"),
+    ]:
+        parser = get_parser(fmt).streaming()
+        assert parser.feed("Hi " + call) == [ContentDelta("Hi")], fmt
+        assert [e.name for e in parser.feed(end) if e.name] == ["f"], fmt
+
+
 def test_long_call_streams_fast():
     body = "x = {'a': [1, 2, 3]}  # a \"quoted\" word, (parens) and commas\n" * 400
     for fmt, text in [
@@ -198,10 +228,18 @@ def test_long_call_streams_fast():
         ("function_gemma", "<start_function_call>call:write_file{content:<escape>" + body + "<escape>}<end_function_call>"),
         ("gemma3", "```tool_code\nwrite_file(content=" + json.dumps(body) + ")\n```"),
         ("gemma3", "write_file(content=" + json.dumps(body) + ")"),
+        ("hermes", json.dumps({"name": "write_file", "arguments": {"content": body}}).join(["<tool_call>", "</tool_call>"])),
+        ("mistral", "[TOOL_CALLS]write_file[ARGS]" + json.dumps({"content": body})),
+        ("llama3_json", json.dumps({"name": "write_file", "parameters": {"content": body}})),
+        ("glm4", f"<tool_call>write_file\n<arg_key>content</arg_key>\n<arg_value>{body}</arg_value>\n</tool_call>"),
+        ("glm4", "write_file\n" + json.dumps({"content": body})),
+        ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.write_file:0<|tool_call_argument_begin|>"
+                    + json.dumps({"content": body}) + "<|tool_call_end|><|tool_calls_section_end|>"),
     ]:
         start = time.perf_counter()
         rng = random.Random(0)
-        out, _ = stream(fmt, random_chunks(text, rng, max_size=6))
+        names = {"write_file": {"path": "string", "content": "string"}}
+        out, _ = stream(fmt, random_chunks(text, rng, max_size=6), names if fmt == "glm4" else None)
         assert time.perf_counter() - start < 5, fmt
         assert [json.loads(c.arguments)["content"] for c in out.tool_calls] == [body], fmt
 
@@ -230,10 +268,16 @@ def test_detect_parser():
     assert detect_parser("```tool_code", None) == "gemma3"
     assert detect_parser("chatml", "qwen2_5_vl") is None
     assert detect_parser(None, None) is None
-    for name in ("gemma3", "gemma4"):
-        path = ROOT / "fixtures" / f"{name}_chat_template.jinja"
+    assert detect_parser("...<tool_call>\n{\"name\": <function-name>...", None) == "hermes"
+    assert detect_parser("...<tool_call>{{ tc.name }}<arg_key>...", None) == "glm4"
+    assert detect_parser("{{ '[TOOL_CALLS]' }}", None) == "mistral"
+    assert detect_parser("<|tool_calls_section_begin|>", None) == "kimi_k2"
+    assert detect_parser("{{- '<|python_tag|>' }}", None) == "llama3_json"
+    for arch, fmt in [("gemma3", "gemma3"), ("gemma4", "gemma4"), ("qwen2_5_vl", "hermes"),
+                      ("qwen3_vl", "hermes"), ("mllama", "llama3_json")]:
+        path = ROOT / "fixtures" / f"{arch}_chat_template.jinja"
         if path.exists():
-            assert detect_parser(path.read_text(), None if name == "gemma4" else name) == name
+            assert detect_parser(path.read_text(), None if arch == "gemma4" else arch) == fmt, arch
 
 
 def test_tool_signatures():
@@ -243,7 +287,7 @@ def test_tool_signatures():
         {"type": "function", "function": {"name": "get_time"}},
     ]
     sig = tool_signatures(tools)
-    assert sig == {"get_weather": ["city", "days"], "get_time": []}
+    assert sig == {"get_weather": {"city": "string", "days": "integer"}, "get_time": {}}
     assert tool_signatures(None) is None
     out = get_parser("gemma3").parse('get_weather("Oslo", 2)', sig)
     assert simplify(out) == ("", [("get_weather", {"city": "Oslo", "days": 2})])
@@ -256,6 +300,13 @@ FRAGMENTS = {
     "function_gemma": ["<start_function_call>", "<end_function_call>", "<escape>", "call:",
                        "<start_function_response>", "<start_"],
     "gemma3": ["```tool_code\n", "```", "```json\n", "print(", "get_weather(", "[", "]", "(", ")", "=", "\n"],
+    "hermes": ["<tool_call>", "</tool_call>", "<tool_", '{"name": "f", "arguments": ', '"arguments"', "\n"],
+    "mistral": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL_", '{"name": "f", "arguments": ', "f[ARGS]", "["],
+    "llama3_json": ["<|python_tag|>", "<|python", '{"name": "f", "parameters": ', '"parameters"', ";", "["],
+    "glm4": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "f\n",
+             "get_weather\n{", "<arg_"],
+    "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>", "functions.f:0", "<|tool_"],
 }
 COMMON = ["{", "}", "[", "]", "(", ")", ":", ",", "=", "'", '"', "\\", " ", "\n", "a", "key", "x1", "3",
           "-2.5", "true", "None", "get_weather", "é", "😀", "\t", "f", "call"]
@@ -346,7 +397,15 @@ def render_tagged(value, quote: str) -> str:
     return repr(value)
 
 
-@pytest.mark.parametrize("style", ["gemma4", "function_gemma", "gemma3_python", "gemma3_json"])
+def render_glm4(name: str, args: dict) -> str:
+    """As GLM-4.5V's template writes a call: strings raw, everything else as JSON."""
+    pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                    for k, v in args.items())
+    return f"<tool_call>{name}\n{pairs}</tool_call>"
+
+
+@pytest.mark.parametrize("style", ["gemma4", "function_gemma", "gemma3_python", "gemma3_json", "hermes",
+                                   "mistral", "llama3_json", "glm4", "kimi_k2"])
 def test_random_arguments_round_trip(style):
     rng = random.Random(style)
     for _ in range(200):
@@ -358,8 +417,24 @@ def test_random_arguments_round_trip(style):
         elif style == "gemma3_python":
             kwargs = ", ".join(f"{k}={v!r}" for k, v in args.items())
             fmt, text = "gemma3", f"```tool_code\nfn({kwargs})\n```"
-        else:
+        elif style == "gemma3_json":
             fmt, text = "gemma3", json.dumps({"name": "fn", "arguments": args})
+        elif style == "hermes":
+            fmt, text = style, f"<tool_call>\n{json.dumps({'name': 'fn', 'arguments': args})}\n</tool_call>"
+        elif style == "mistral":
+            fmt, text = style, "[TOOL_CALLS]fn[ARGS]" + json.dumps(args)
+        elif style == "llama3_json":
+            fmt, text = style, "<|python_tag|>" + json.dumps({"name": "fn", "parameters": args})
+        elif style == "kimi_k2":
+            fmt, text = style, ("<|tool_calls_section_begin|><|tool_call_begin|>functions.fn:0<|tool_call_argument_begin|>"
+                                + json.dumps(args) + "<|tool_call_end|><|tool_calls_section_end|>")
+        else:
+            fmt, text = style, render_glm4("fn", args)
+        names = None
+        if style == "glm4":  # raw values are only strings for sure when the schema says so
+            names = {"fn": {k: "string" if isinstance(v, str) else None for k, v in args.items()}}
+            if any("</arg_value>" in json.dumps(v) for v in args.values()):
+                continue
         want = ("", [("fn", args)])
-        assert simplify(get_parser(fmt).parse(text)) == want, text
-        assert simplify(stream(fmt, random_chunks(text, rng))[0]) == want, text
+        assert simplify(get_parser(fmt).parse(text, names)) == want, text
+        assert simplify(stream(fmt, random_chunks(text, rng), names)[0]) == want, text

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 CORPUS_DIR = Path(__file__).parent / "data" / "tool_calls"
-FORMATS = ("gemma4", "function_gemma", "gemma3")
+FORMATS = ("gemma4", "function_gemma", "gemma3", "hermes", "mistral", "llama3_json", "glm4", "kimi_k2")
 
 
 def load_corpus(fmt: str) -> list[dict[str, Any]]:

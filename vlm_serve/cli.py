@@ -7,6 +7,7 @@ import logging
 import sys
 
 from .config import ServerConfig
+from .tools import FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow clients to send their own chat template in chat_template_kwargs "
                         "(templates run server-side: enable only for trusted clients)")
     g.add_argument("--tool-call-parser", default=None,
-                   choices=["gemma4", "function_gemma", "gemma3"],
+                   choices=list(FORMATS),
                    help="tool-call format; default: chosen from the model's chat template")
     return p
 

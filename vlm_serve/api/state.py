@@ -14,6 +14,7 @@ from ..engine.engine import Engine, EngineBusy, RequestStream
 from ..engine.types import PreparedRequest
 from ..preprocess.media import MediaError, MediaPolicy, PixelBudget
 from ..preprocess.prompt import PromptContext, PromptError
+from ..preprocess.tool_prompt import template_handles_tools
 from .errors import APIError, bad_request
 from .schemas import decode_json
 from .metrics import Metrics
@@ -54,6 +55,8 @@ class AppState:
         )
         self.started = int(time.time())
         fmt = config.tool_call_parser or detect_parser(self.loaded.chat_template, self.loaded.model_type)
+        if fmt is None and not template_handles_tools(self.loaded.chat_template):
+            fmt = "gemma3"  # such templates get the tool_code prompt: parse what it asks for
         self.tool_parser = get_parser(fmt) if fmt else None
         self.reasoning = GEMMA4 if self.loaded.model_type.startswith("gemma4") else None
         self.metrics = Metrics(lambda: engine.scheduler.stats())

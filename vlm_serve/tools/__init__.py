@@ -15,7 +15,7 @@ arguments. Streaming and non-streaming give the same content and calls for any c
 
 from __future__ import annotations
 
-from . import function_gemma, gemma3, gemma4
+from . import function_gemma, gemma3, gemma4, glm4, hermes, kimi_k2, llama3, mistral
 from .calls import ToolNames, tool_signatures
 from .streaming import StreamingToolParser, collect
 from .types import (
@@ -38,12 +38,28 @@ _FACTORIES = {
     "gemma4": gemma4.parser,
     "function_gemma": function_gemma.parser,
     "gemma3": gemma3.parser,
+    "hermes": hermes.parser,
+    "mistral": mistral.parser,
+    "llama3_json": llama3.parser,
+    "glm4": glm4.parser,
+    "kimi_k2": kimi_k2.parser,
 }
 FORMATS = tuple(_FACTORIES)
 
+# First match wins: GLM's and Hermes's templates both have <tool_call>.
+_TEMPLATE_MARKERS = (
+    ("gemma4", ("<|tool_call>",)),
+    ("function_gemma", ("<start_function_call>",)),
+    ("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")),
+    ("glm4", ("<arg_key>",)),
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("hermes", ("<tool_call>",)),
+    ("llama3_json", ("<|python_tag|>", '"parameters": dictionary of argument name')),
+)
+
 
 def get_parser(name: str) -> ToolCallParser:
-    """The parser for a format: "gemma4", "function_gemma" or "gemma3"."""
+    """The parser for a format, one of :data:`FORMATS`."""
     try:
         return _FACTORIES[name]()
     except KeyError:
@@ -51,13 +67,12 @@ def get_parser(name: str) -> ToolCallParser:
 
 
 def detect_parser(chat_template: str | None, model_type: str | None) -> str | None:
-    """The format a model writes calls in, from its chat template's markers, else its
-    model type; None when no tool-call format is known for it."""
+    """The format a model writes calls in, from its chat template's markers, else (Gemma)
+    its model type; None when no tool-call format is known for it."""
     template = chat_template or ""
-    if "<|tool_call>" in template:
-        return "gemma4"
-    if "<start_function_call>" in template:
-        return "function_gemma"
+    for fmt, markers in _TEMPLATE_MARKERS:
+        if any(m in template for m in markers):
+            return fmt
     kind = (model_type or "").lower()
     if kind.startswith("gemma4"):
         return "gemma4"

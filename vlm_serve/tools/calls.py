@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Union
 
 from .types import RawCall
-from .values import Invalid, Reader, object_from_text
+from .values import Invalid, Reader, object_from_text, unescape
 
 #: What parsers accept as ``tool_names``: None (nothing declared), the declared function
 #: names, or a mapping name -> parameter names in declaration order (used to name
-#: positional arguments; see :func:`tool_signatures`).
+#: positional arguments), or name -> {parameter: JSON schema type} (see :func:`tool_signatures`).
 ToolNamesSpec = Union[None, Collection[str], Mapping[str, Sequence[str]]]
 
 #: Keys a JSON-style call object may have at its top level.
 CALL_OBJECT_KEYS = frozenset({"name", "arguments", "parameters", "args", "function", "type", "id"})
 _ARGUMENT_KEYS = ("arguments", "parameters", "args")
 _NAMESPACES = ("default_api.", "functions.")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'', re.S)
 
 
 class ToolNames:
@@ -26,13 +28,16 @@ class ToolNames:
         if isinstance(spec, str):
             spec = [spec]
         if isinstance(spec, ToolNames):
-            self.declared, self._params = spec.declared, spec._params
-        elif spec is None:
+            self.declared, self._params, self._types = spec.declared, spec._params, spec._types
+            return
+        self._types: dict[str, Mapping[str, Any]] = {}
+        if spec is None:
             self.declared: frozenset[str] | None = None
             self._params: dict[str, list[str]] = {}
         elif isinstance(spec, Mapping):
             self.declared = frozenset(spec)
             self._params = {name: list(params or ()) for name, params in spec.items()}
+            self._types = {name: params for name, params in spec.items() if isinstance(params, Mapping)}
         else:
             self.declared = frozenset(spec)
             self._params = {}
@@ -70,19 +75,26 @@ class ToolNames:
     def params(self, name: str) -> list[str]:
         return self._params.get(name, [])
 
+    def is_string(self, name: str, param: str) -> bool:
+        """Whether the declared schema types ``param`` of ``name`` as a string."""
+        kind = self._types.get(name, {}).get(param)
+        return kind == "string" or (isinstance(kind, (list, tuple)) and "string" in kind)
 
-def tool_signatures(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, list[str]] | None:
-    """``tool_names`` for parsers from an OpenAI ``tools`` list: name -> parameter names."""
+
+def tool_signatures(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
+    """``tool_names`` for parsers from an OpenAI ``tools`` list: name -> {parameter: its
+    schema ``type`` (None if not given)}, parameters in declaration order."""
     if not tools:
         return None
-    out: dict[str, list[str]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for tool in tools:
         fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             continue
         params = fn.get("parameters")
         props = params.get("properties") if isinstance(params, Mapping) else None
-        out[fn["name"]] = list(props) if isinstance(props, Mapping) else []
+        props = props if isinstance(props, Mapping) else {}
+        out[fn["name"]] = {k: v.get("type") if isinstance(v, Mapping) else None for k, v in props.items()}
     return out
 
 
@@ -133,3 +145,40 @@ def read_call_object(reader: Reader, names: ToolNames, any_name: bool) -> RawCal
     if not isinstance(args, dict):
         raise Invalid("arguments are not an object")
     return RawCall(name, args)
+
+
+def read_json_calls(reader: Reader, names: ToolNames, any_name: bool = True) -> list[RawCall]:
+    """A JSON-style call object, or a ``[...]`` list of them (not empty)."""
+    c = reader.char(reader.pos)
+    if c == "{":
+        return [read_call_object(reader, names, any_name)]
+    if c != "[":
+        raise Invalid("not a call")
+    reader.pos += 1
+    calls: list[RawCall] = []
+    while True:
+        c = reader.next_char()
+        if c == "]" and calls:
+            reader.pos += 1
+            return calls
+        if c == "," and calls:
+            reader.pos += 1
+        elif c == "{":
+            calls.append(read_call_object(reader, names, any_name))
+        else:
+            raise Invalid("not a list of calls")
+
+
+def read_arguments(reader: Reader) -> dict[str, Any]:
+    """An arguments object at ``reader.pos``: ``{...}`` (leniently), or a string holding one."""
+    c = reader.next_char()
+    if c == "{":
+        reader.pos += 1
+        return dict(reader.read_pairs("}", positional=False))
+    if c in ("'", '"'):  # strictly quoted: there is no closer to tell a stray quote by
+        m = _STRING.match(reader.text, reader.pos)
+        if not m:
+            reader.more()
+        reader.pos = m.end()
+        return object_from_text(unescape(m.group()[1:-1]))
+    raise Invalid("no arguments object")

@@ -1,14 +1,9 @@
-"""FunctionGemma: ``<start_function_call>call:name{city:<escape>Paris<escape>}<end_function_call>``."""
+"""FunctionGemma: ``<start_function_call>call:name{city:<escape>Paris<escape>}<end_function_call>``
+(the grammar is Gemma 4's, see gemma4.py)."""
 
-from .tagged import TaggedFormat, TaggedParser
-
-FUNCTION_GEMMA = TaggedFormat(
-    start="<start_function_call>",
-    end="<end_function_call>",
-    quote="<escape>",
-    response="<start_function_response>",
-)
+from .gemma4 import FUNCTION_GEMMA, GemmaGrammar
+from .tagged import MarkerParser
 
 
-def parser() -> TaggedParser:
-    return TaggedParser("function_gemma", FUNCTION_GEMMA)
+def parser() -> MarkerParser:
+    return MarkerParser("function_gemma", GemmaGrammar, markers=FUNCTION_GEMMA)

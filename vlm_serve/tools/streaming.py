@@ -136,8 +136,10 @@ class StreamingToolParser:
             if step is None:
                 # The held text did not decide yet. Scanning again costs a pass over it, so
                 # for formats whose calls end without a marker wait until it has grown.
+                # (The scanner may say so itself, call by call, with its own rescan_growth.)
                 n = len(self._buf)
-                self._retry_at = n + 1 if self._growth <= 1 or n < 256 else int(n * self._growth)
+                growth = getattr(self._scanner, "rescan_growth", self._growth)
+                self._retry_at = n + 1 if growth <= 1 or n < 256 else int(n * growth)
                 break
             self._retry_at = 0
             self._apply(step, events)
