@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fixtures.build import cached_model
+from vlm_serve.fixtures.build import cached_model
 from vlm_serve.config import ServerConfig
 
 ARCHS = ["gemma3", "qwen2_5_vl", "gemma4"]

@@ -18,7 +18,7 @@ import pytest
 from mlx_vlm import load as vlm_load
 from mlx_vlm.generate import generate_step
 
-from fixtures.build import ARCHS, cached_model
+from vlm_serve.fixtures.build import ARCHS, cached_model
 from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.families import FAMILIES
 from vlm_serve.engine.scheduler import SchedulerConfig

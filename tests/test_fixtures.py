@@ -13,8 +13,8 @@ from PIL import Image
 mx = pytest.importorskip("mlx.core")
 mlx_vlm = pytest.importorskip("mlx_vlm")
 
-from fixtures import build  # noqa: E402
-from fixtures.build import FAMILIES, build_model, cached_model  # noqa: E402
+from vlm_serve.fixtures import build  # noqa: E402
+from vlm_serve.fixtures.build import FAMILIES, build_model, cached_model  # noqa: E402
 
 ARCHS = ["gemma3", "qwen2_5_vl", "gemma4"]
 
@@ -310,7 +310,7 @@ def test_concurrent_cached_builds_agree(tmp_path):
     import subprocess
     import sys
 
-    code = "from fixtures.build import cached_model; print(cached_model('gemma3', seed=5))"
+    code = "from vlm_serve.fixtures.build import cached_model; print(cached_model('gemma3', seed=5))"
     env = {**os.environ, "VLM_SERVE_FIXTURE_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -334,8 +334,8 @@ def test_cli_builds_a_model(tmp_path, capsys):
 ])
 def test_real_size_presets_have_real_shapes(arch, preset, billions):
     """Shapes only: the bf16 weights are built on benchmark machines."""
-    from fixtures.tokenizer import pad_vocab, train_bpe
-    from fixtures.weights import parameter_shapes
+    from vlm_serve.fixtures.tokenizer import pad_vocab, train_bpe
+    from vlm_serve.fixtures.weights import parameter_shapes
 
     family = FAMILIES[arch]
     p = family.PRESETS[preset]

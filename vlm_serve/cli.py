@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import ServerConfig
@@ -16,13 +17,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vlm-serve",
         description="Continuous-batching, OpenAI-compatible server for vision-language models on MLX.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"Every flag can also be set by an environment variable: {ENV_PREFIX} and the "
+               "flag's name in capitals with '_' for '-' (--max-num-seqs: VLM_SERVE_MAX_NUM_SEQS; "
+               "switches take 1/0/true/false). The command line wins.",
     )
+    p.add_argument("--version", action="version", version=version_text(),
+                   help="print the versions of vlm-serve, mlx, mlx-lm and mlx-vlm and exit")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="local model directory or Hugging Face repo id (loaded with mlx-vlm); "
                         "default: a built-in tiny Gemma-3-architecture demo model")
     g.add_argument("--served-model-name", default=None,
                    help="model name reported by /v1/models and accepted in requests")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="chat template file (Jinja, or JSON with a 'chat_template' key) used "
+                        "instead of the checkpoint's")
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help="address to bind")
     g.add_argument("--port", type=int, default=d.port, help="port to bind")
@@ -43,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "request; default: on a GPU")
     g.add_argument("--no-access-log", action="store_false", dest="access_log",
                    help="don't log a line per request on the vlm_serve.access logger")
+    g.add_argument("--allowed-origins", action=_ListAction, type=_comma_list, default=[],
+                   metavar="ORIGINS",
+                   help="browser origins allowed by CORS, comma-separated or repeated "
+                        "(e.g. http://localhost:3000; '*' for any); default: none")
     g = p.add_argument_group("scheduling and limits")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="most requests decoded together in one batch")
@@ -76,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest accepted encoded image")
     g.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
                    help="largest accepted image area in pixels (decompression-bomb guard)")
+    g.add_argument("--min-image-pixels", type=int, default=d.min_image_pixels,
+                   help="smaller images are upscaled to this area, keeping their aspect "
+                        "ratio, before the model's processor (0: never)")
     g.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s,
                    dest="media_fetch_timeout_s", help="seconds to fetch one image URL")
     g.add_argument("--allow-private-media-urls", action="store_true",
@@ -93,9 +109,86 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def of(dist: str, fallback: str = "not installed") -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return fallback
+
+    libs = ", ".join(f"{d} {of(d)}" for d in ("mlx", "mlx-lm", "mlx-vlm"))
+    return f"vlm-serve {of('vlm-serve', __version__)} ({libs})"
+
+
+class _ListAction(argparse.Action):
+    """A repeatable list flag whose first use on the command line replaces the default
+    (which may come from the environment) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, (list(current) if current is not self.default else []) + values)
+
+
+def _comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+# --- flags from the environment: VLM_SERVE_MAX_NUM_SEQS=64 is --max-num-seqs 64 ---------
+
+ENV_PREFIX = "VLM_SERVE_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def env_name(action: argparse.Action) -> str | None:
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    return ENV_PREFIX + longs[0][2:].upper().replace("-", "_") if longs else None
+
+
+def apply_env(parser: argparse.ArgumentParser, environ) -> None:
+    """Turn set VLM_SERVE_* variables into the parser's defaults, so the command line
+    still wins; a value that does not parse ends the program with one line naming it."""
+    for action in parser._actions:
+        name = env_name(action)
+        if name is None or name not in environ or action.default == argparse.SUPPRESS:
+            continue  # --help and --version are no settings
+        raw = environ[name]
+        try:
+            value = _env_value(action, raw)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            parser.exit(2, f"{parser.prog}: error: environment variable {name}={raw!r}: {exc}\n")
+        parser.set_defaults(**{action.dest: value})
+
+
+def _env_value(action: argparse.Action, raw: str):
+    if action.nargs == 0:  # a switch: --x, --no-x, or --x/--no-x
+        word = raw.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError("expected 1/0/true/false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return word in _TRUE
+        return action.const if word in _TRUE else action.default
+    try:
+        value = action.type(raw.strip()) if action.type else raw
+    except ValueError:
+        raise ValueError(f"not a valid {getattr(action.type, '__name__', 'value')}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def parse_config(argv: list[str] | None = None, environ=None) -> ServerConfig:
+    """The configuration from the command line over ``VLM_SERVE_*`` variables."""
+    parser = build_parser()
+    apply_env(parser, os.environ if environ is None else environ)
+    return ServerConfig(**vars(parser.parse_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    config = ServerConfig(**vars(args))
+    config = parse_config(argv)
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

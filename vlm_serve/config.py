@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 class ServerConfig:
     model: str | None = None  # None: the built-in demo model
     served_model_name: str | None = None
+    chat_template: str | None = None  # a template file used instead of the checkpoint's
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
     api_key: str | None = None
     shutdown_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight requests may finish
     access_log: bool = True
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: no CORS headers
     warmup: bool | None = None  # run every path once before ready; None: on a GPU only
 
     # Scheduling and limits
@@ -35,6 +37,7 @@ class ServerConfig:
     limit_mm_per_prompt: int = 8
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 40_000_000
+    min_image_pixels: int = 0  # smaller images are upscaled to this area (aspect kept)
     media_fetch_timeout_s: float = 10.0
     allow_private_media_urls: bool = False
     allowed_local_media_path: str | None = None

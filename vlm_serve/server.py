@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+from pathlib import Path
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
@@ -39,7 +40,7 @@ def resolve_model(config: ServerConfig) -> str:
     """The model to load: ``--model``, or the built-in demo model built on first use."""
     if config.model:
         return config.model
-    from fixtures.build import cached_model
+    from vlm_serve.fixtures.build import cached_model
 
     path = cached_model(DEMO_MODEL_ARCH)
     log.info("no --model given: serving the built-in tiny demo model at %s", path)
@@ -59,7 +60,24 @@ def default_prefill_budget() -> int:
     return 2048 if on_gpu() else 512
 
 
+def read_chat_template(config: ServerConfig) -> str | None:
+    """The text of ``--chat-template``, read before the model loads so a bad path fails
+    in one line."""
+    if not config.chat_template:
+        return None
+    from .engine.loader import read_chat_template as read
+
+    try:
+        template = read(Path(config.chat_template).expanduser())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StartupError(f"--chat-template {config.chat_template}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not template or not template.strip():
+        raise StartupError(f"--chat-template {config.chat_template}: no template in the file")
+    return template
+
+
 def build_engine(config: ServerConfig) -> Engine:
+    chat_template = read_chat_template(config)
     engine = Engine(
         resolve_model(config),
         SchedulerConfig(
@@ -72,6 +90,7 @@ def build_engine(config: ServerConfig) -> Engine:
         max_queue=config.max_queue_size,
         vision_cache_size=config.vision_cache_size,
         warm=config.warmup if config.warmup is not None else on_gpu(),
+        chat_template=chat_template,
     )
     try:
         engine.start()

@@ -16,7 +16,7 @@ MODEL=/tmp/vlm-bench-$PRESET
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 
-[ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
+[ -f "$MODEL/config.json" ] || python3 -m vlm_serve.fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
 

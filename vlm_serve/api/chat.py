@@ -7,13 +7,14 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..engine.types import GenerationEvent
+from ..engine.types import GenerationEvent, PreparedRequest
 from ..preprocess.prompt import PromptError, chat_images, check_prompt_size, prepare_chat
 from ..preprocess.tool_prompt import text_of
 from .errors import bad_request
-from .generation import deliver, run_to_end, start, stream_sse
+from .choices import UsageTally, fan_out, merged, run_all, start_all
+from .generation import deliver, start, stream_sse
 from .output import OutputProcessor, merge_deltas
-from .responses import ChunkWriter, finish_reason, logprob_content, new_id, usage
+from .responses import ChunkWriter, finish_reason, logprob_content, new_id
 from .schemas import ChatRequest, parse_chat_request
 from .state import AppState, read_json
 
@@ -24,6 +25,28 @@ async def chat_completions(request: Request) -> Response:
     chat = parse_chat_request(body, state.loaded.vocab_size, state.loaded.sampling_defaults)
     state.check_model(chat.model)
     completion_id = new_id("chatcmpl")
+    # n choices: n copies of the prepared prompt, each its own row of the batch.
+    choices = fan_out([await prepare_chat_request(state, chat, completion_id)], chat.n, completion_id)
+    streams = start_all(state, choices)
+    outputs = [state.output_processor(chat) for _ in choices]
+    tally = UsageTally(choices, chat.n)
+    stream = _stream(state, merged(streams), outputs, tally, completion_id, chat) if chat.stream else None
+    return await deliver(
+        state, request, [c.request_id for c in choices], stream,
+        lambda: _respond(state, streams, outputs, tally, completion_id),
+    )
+
+
+async def start_chat(state: AppState, chat: ChatRequest, request_id: str):
+    """Prepare a validated chat (images, template, tokens) and submit it: the prepared
+    request, its events and the output processor for its text. Shared with the
+    Anthropic Messages route."""
+    prepared = await prepare_chat_request(state, chat, request_id)
+    return prepared, start(state, prepared), state.output_processor(chat)
+
+
+async def prepare_chat_request(state: AppState, chat: ChatRequest, request_id: str) -> PreparedRequest:
+    """Images, template and tokens of a validated chat, within the context's limits."""
     ctx = state.prompt_context
     text_bytes = sum(len(text_of(m.get("content")).encode()) for m in chat.messages)
     try:
@@ -33,65 +56,68 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request(exc.message, exc.param, exc.code) from exc
     images = await state.load_images(refs)
     prepared = await state.run_cpu(
-        prepare_chat, ctx, completion_id, chat.messages, chat.sampling,
+        prepare_chat, ctx, request_id, chat.messages, chat.sampling,
         chat.active_tools, chat.chat_template_kwargs, images, text_bytes=text_bytes,
     )
     state.apply_limits(prepared, chat.max_tokens)
-    events = start(state, prepared)
-    output = state.output_processor(chat)
-    stream = _stream(state, events, output, completion_id, chat) if chat.stream else None
-    return await deliver(
-        state, request, completion_id, stream, lambda: _respond(state, events, output, completion_id)
-    )
+    return prepared
 
 
-async def _respond(state: AppState, events, output: OutputProcessor, completion_id: str):
-    done = await run_to_end(events)
-    deltas = output.feed(done.text) + output.finish()
-    lp = {"content": logprob_content(done.logprobs, state.token_text)} if done.logprobs else None
+async def _respond(state: AppState, streams, outputs: list[OutputProcessor], tally: UsageTally,
+                   completion_id: str):
+    choices = []
+    for i, (done, output) in enumerate(zip(await run_all(streams), outputs)):
+        tally.add(done.final)
+        deltas = output.feed(done.text) + output.finish()
+        lp = {"content": logprob_content(done.logprobs, state.token_text)} if done.logprobs else None
+        choices.append({
+            "index": i,
+            "message": merge_deltas(deltas),
+            "logprobs": lp,
+            "finish_reason": finish_reason(done.final.finish_reason, output.has_tool_calls),
+        })
     return JSONResponse(
         {
             "id": completion_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_id,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": merge_deltas(deltas),
-                    "logprobs": lp,
-                    "finish_reason": finish_reason(done.final.finish_reason, output.has_tool_calls),
-                }
-            ],
-            "usage": usage(done.final),
+            "choices": choices,
+            "usage": tally.usage(),
         }
     )
 
 
-def _stream(state: AppState, events, output: OutputProcessor, completion_id: str, chat: ChatRequest):
+def _stream(state: AppState, events, outputs: list[OutputProcessor], tally: UsageTally,
+            completion_id: str, chat: ChatRequest):
     writer = ChunkWriter(completion_id, state.model_id)
 
-    def choice(delta: dict, lp=None, reason=None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+    def chunk(index: int, delta: dict, lp=None, reason=None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        return writer.chunk(choice, tally.usage() if chat.continuous_usage else None)
 
     def chunks_for(event: GenerationEvent) -> list[bytes]:
+        i = tally.add(event)
+        output = outputs[i]
         deltas = output.feed(event.text)
         if event.finished:
             deltas += output.finish()
         lp = {"content": logprob_content(event.logprobs, state.token_text)} if event.logprobs else None
         if lp and not deltas:
             deltas = [{}]
-        return [writer.chunk(choice(d, lp if i == 0 else None)) for i, d in enumerate(deltas)]
+        return [chunk(i, d, lp if k == 0 else None) for k, d in enumerate(deltas)]
 
     def final_chunks(event: GenerationEvent) -> list[bytes]:
-        out = [writer.chunk(choice({}, reason=finish_reason(event.finish_reason, output.has_tool_calls)))]
-        if chat.include_usage:
-            out.append(writer.chunk(None, usage(event)))
+        i = tally.index[event.request_id]
+        out = [chunk(i, {}, reason=finish_reason(event.finish_reason, outputs[i].has_tool_calls))]
+        if chat.include_usage and tally.unfinished == 0:  # after the last choice ends
+            out.append(writer.chunk(None, tally.usage()))
         return out
 
     async def body():
-        yield writer.chunk(choice({"role": "assistant", "content": ""}))
-        async for chunk in stream_sse(events, chunks_for, final_chunks, state.heartbeat_s):
-            yield chunk
+        for i in range(len(outputs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for piece in stream_sse(events, chunks_for, final_chunks, state.heartbeat_s):
+            yield piece
 
     return body()

@@ -4,7 +4,6 @@ and streaming it as server-sent events with heartbeats and in-band errors."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,15 +31,20 @@ def start(state: AppState, prepared: PreparedRequest) -> AsyncIterator[Generatio
 async def deliver(
     state: AppState,
     request: Request,
-    request_id: str,
+    request_id: str | list[str],
     stream: AsyncIterator[bytes] | None,
     respond: Callable[[], Awaitable[Response]],
 ) -> Response:
     """The response of a submitted request: ``stream`` as server-sent events, or the
     awaited ``respond()``. Either way a client that leaves cancels the request, even one
     that leaves before the response starts reading events (cancelling a finished
-    request is a no-op)."""
-    cancel = functools.partial(state.engine.cancel, request_id)
+    request is a no-op). Several ids: the requests of a response's several choices."""
+    ids = [request_id] if isinstance(request_id, str) else request_id
+
+    def cancel() -> None:
+        for id_ in ids:
+            state.engine.cancel(id_)
+
     if stream is not None:
         return EventStreamResponse(stream, on_close=cancel)
     result = await unless_disconnected(respond(), request.receive)
@@ -110,23 +114,26 @@ async def stream_sse(
     chunks_for: Callable[[GenerationEvent], list[bytes]],
     final_chunks: Callable[[GenerationEvent], list[bytes]],
     heartbeat_s: float = HEARTBEAT_S,
+    error_chunk: Callable[[APIError], bytes] = lambda error: sse(error.body()),
+    done: bytes = SSE_DONE,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes: per-event chunks, the closing chunks, then ``[DONE]``. A failure is an
-    error event in OpenAI's envelope followed by ``[DONE]``."""
+    """SSE bytes: per-event chunks, the closing chunks, then ``done``. A failure is
+    ``error_chunk`` (OpenAI's envelope unless a protocol has its own) followed by ``done``."""
     async for event in with_heartbeats(events, heartbeat_s):
         if event is None:
             yield SSE_HEARTBEAT
             continue
         error = error_of(event)
         if error is not None:
-            yield sse(error.body())
+            yield error_chunk(error)
             break
         try:
             chunks = chunks_for(event) + (final_chunks(event) if event.finished else [])
         except Exception:  # a bug of ours: end the stream in-band, not with a torn connection
             log.exception("could not build a stream chunk")
-            yield sse(APIError(500, "internal server error", code="internal_error").body())
+            yield error_chunk(APIError(500, "internal server error", code="internal_error"))
             break
         for chunk in chunks:
             yield chunk
-    yield SSE_DONE
+    if done:
+        yield done

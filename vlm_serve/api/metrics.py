@@ -1,4 +1,9 @@
-"""Prometheus metrics: requests by outcome, tokens, latencies, queue and cache gauges.
+"""Prometheus metrics under vLLM's names, so dashboards and alerts made for vLLM work.
+
+Every series carries a ``model_name`` label, as vLLM's do. What vLLM has no name for
+keeps a ``vlm_`` name: requests by outcome (rejections included), the KV cache's bytes,
+vision-cache hits. No ``_created`` series (prometheus_client's per-series creation
+timestamps double the scrape and nothing reads them).
 
 Each app has its own registry, so several servers can live in one process (tests).
 """
@@ -8,36 +13,49 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..engine.types import GenerationEvent
 
+disable_created_metrics()
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+# Our finish reasons as vLLM reports them in request_success_total's finished_reason.
+_VLLM_REASON = {"cancelled": "abort"}
 
 
 class Metrics:
-    def __init__(self, scheduler_stats):
+    def __init__(self, scheduler_stats, model_name: str):
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("vlm_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("vlm_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("vlm_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("vlm_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vlm_inter_token_latency_seconds", "Time between streamed tokens",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vlm_e2e_request_latency_seconds", "Request latency, arrival to finish",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        running = Gauge("vlm_num_requests_running", "Requests in the decode batch", registry=r)
-        waiting = Gauge("vlm_num_requests_waiting", "Requests waiting or in prefill", registry=r)
-        kv_bytes = Gauge("vlm_kv_cache_bytes", "Bytes held by the batch KV cache", registry=r)
-        running.set_function(lambda: scheduler_stats()["running"])
-        waiting.set_function(lambda: scheduler_stats()["waiting"])
-        kv_bytes.set_function(lambda: scheduler_stats()["kv_cache_bytes"])
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+
+        def labelled(metric):
+            return metric.labels(model_name)
+
+        self._outcomes = Counter("vlm_requests", "Requests by outcome: a finish reason, "
+                                 "cancelled, or rejected_<status>", ["model_name", "outcome"], registry=r)
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = labelled(Counter("vllm:prompt_tokens", "Prompt tokens processed", m, registry=r))
+        self.generation_tokens = labelled(Counter("vllm:generation_tokens", "Tokens generated", m, registry=r))
+        self.ttft = labelled(Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                       m, buckets=_LATENCY_BUCKETS, registry=r))
+        self.itl = labelled(Histogram("vllm:inter_token_latency_seconds", "Time between streamed tokens",
+                                      m, buckets=_ITL_BUCKETS, registry=r))
+        self.e2e = labelled(Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish",
+                                      m, buckets=_LATENCY_BUCKETS, registry=r))
+        r.register(_EngineCollector(scheduler_stats, model_name))
+
+    def rejected(self, status: int) -> None:
+        self._outcomes.labels(self.model_name, f"rejected_{status}").inc()
 
     async def observe(self, events: AsyncIterator[GenerationEvent], arrived: float):
         """Pass events through, recording token counts and latencies."""
@@ -57,7 +75,9 @@ class Metrics:
         finally:
             # A client that left before the end shows up as cancelled.
             finished = final is not None and final.finished
-            self.requests.labels(final.finish_reason.value if finished else "cancelled").inc()
+            outcome = final.finish_reason.value if finished else "cancelled"
+            self._outcomes.labels(self.model_name, outcome).inc()
+            self._success.labels(self.model_name, _VLLM_REASON.get(outcome, outcome)).inc()
             if final is not None:
                 self.prompt_tokens.inc(final.prompt_tokens)
                 self.generation_tokens.inc(final.completion_tokens)
@@ -65,6 +85,29 @@ class Metrics:
 
     def response(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _EngineCollector:
+    """Gauges and running totals read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler_stats, model_name: str):
+        self.stats = scheduler_stats
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.stats()
+        for kind, name, doc, key in (
+            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the decode batch", "running"),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting or in prefill", "waiting"),
+            (GaugeMetricFamily, "vlm_kv_cache_bytes", "Bytes held by the batch KV cache", "kv_cache_bytes"),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens whose KV came from the "
+             "prefix cache", "prefix_cache_hit_tokens"),
+            (CounterMetricFamily, "vlm_vision_cache_hits", "Requests whose image features came "
+             "from the vision cache", "vision_cache_hits"),
+        ):
+            family = kind(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], s.get(key, 0))
+            yield family
 
 
 async def metrics_endpoint(request: Request) -> Response:

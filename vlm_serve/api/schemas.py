@@ -123,6 +123,8 @@ class ChatRequest:
     include_usage: bool
     max_tokens: int | None
     sampling: SamplingParams
+    n: int = 1
+    continuous_usage: bool = False  # usage on every stream chunk (vLLM's extension)
     tools: list[dict] = field(default_factory=list)
     tool_choice: Any = "none"
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -207,6 +209,9 @@ def _check_part(part: Any, where: str, role: str) -> None:
                 f"'{where}.image_url.url' must be a non-empty string", f"{where}.image_url.url",
                 "invalid_type",
             )
+        if isinstance(image, dict) and image.get("detail") not in (None, "auto", "low", "high"):
+            raise bad_request(f"'{where}.image_url.detail' must be 'auto', 'low' or 'high'",
+                              f"{where}.image_url.detail")
     else:
         raise bad_request(
             f"unsupported content part type {kind!r} (expected 'text' or 'image_url')",
@@ -255,9 +260,9 @@ def sampling_from(
          **(defaults or {})}
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1, _INT32_MAX)
-    n = _get(body, "n", (int,), 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported", "n", "unsupported_value")
+    min_tokens = _int(body, "min_tokens", 0, 0, _INT32_MAX)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed '{name}' ({max_tokens})", "min_tokens")
     logprobs = _get(body, "logprobs", (bool,), False)
     top_logprobs = _int(body, "top_logprobs", 0, 0, 20)
     logit_bias = _logit_bias(body)
@@ -279,10 +284,28 @@ def sampling_from(
         stop=_stop(body),
         stop_token_ids=_stop_token_ids(body, vocab_size),
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        min_tokens=min_tokens,
         logprobs=logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
     )
     return params, max_tokens
+
+
+MAX_N = 16  # choices per request: each is a row of the batch
+
+
+def choice_count(body: dict) -> int:
+    """``n``: how many choices to generate for the prompt."""
+    return _int(body, "n", 1, 1, MAX_N)
+
+
+def usage_options(body: dict) -> tuple[bool, bool]:
+    """``stream_options``: (a usage chunk at the end, usage on every chunk). As in vLLM,
+    ``continuous_usage_stats`` takes effect only with ``include_usage``."""
+    options = _get(body, "stream_options", (dict,), {})
+    include = _get(options, "include_usage", (bool,), False, "stream_options.include_usage")
+    continuous = _get(options, "continuous_usage_stats", (bool,), False, "stream_options.continuous_usage_stats")
+    return include, include and continuous
 
 
 def _response_format(body: dict) -> str | None:
@@ -340,8 +363,7 @@ def parse_chat_request(body: Any, vocab_size: int, defaults: dict | None = None)
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")
     messages = _check_messages(body["messages"])
     stream = _get(body, "stream", (bool,), False)
-    stream_options = _get(body, "stream_options", (dict,), {})
-    include_usage = _get(stream_options, "include_usage", (bool,), False, "stream_options.include_usage")
+    include_usage, continuous_usage = usage_options(body)
     sampling, max_tokens = sampling_from(body, vocab_size, defaults)
     sampling.grammar = _response_format(body)
     tools = _tools(body)
@@ -352,6 +374,8 @@ def parse_chat_request(body: Any, vocab_size: int, defaults: dict | None = None)
         include_usage=include_usage,
         max_tokens=max_tokens,
         sampling=sampling,
+        n=choice_count(body),
+        continuous_usage=continuous_usage,
         tools=tools,
         tool_choice=_tool_choice(body, tools),
         chat_template_kwargs=_get(body, "chat_template_kwargs", (dict,), {}),

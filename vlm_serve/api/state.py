@@ -46,6 +46,7 @@ class AppState:
                 fetch_timeout_s=config.media_fetch_timeout_s,
                 allow_private_urls=config.allow_private_media_urls,
                 allowed_local_path=config.allowed_local_media_path,
+                min_image_pixels=config.min_image_pixels,
             ),
             max_images=config.limit_mm_per_prompt,
             chat_template=self.loaded.chat_template,
@@ -59,7 +60,7 @@ class AppState:
             fmt = "gemma3"  # such templates get the tool_code prompt: parse what it asks for
         self.tool_parser = get_parser(fmt) if fmt else None
         self.reasoning = GEMMA4 if self.loaded.model_type.startswith("gemma4") else None
-        self.metrics = Metrics(lambda: engine.scheduler.stats())
+        self.metrics = Metrics(lambda: engine.scheduler.stats(), self.model_id)
         self.heartbeat_s = 5.0
         self._token_texts: dict[int, str] = {}
 
@@ -75,7 +76,7 @@ class AppState:
         pool = self.large_pool if text_bytes > LARGE_PROMPT_BYTES else self.cpu_pool
         return await _client_errors(asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args)))
 
-    async def load_images(self, refs: list[tuple[str, str]]) -> list:
+    async def load_images(self, refs: list[tuple[str, str, str | None]]) -> list:
         """Fetch and decode a request's images concurrently on the media pool, within its
         pixel budget."""
         from ..preprocess.prompt import load_chat_image

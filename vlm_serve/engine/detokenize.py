@@ -17,6 +17,7 @@ class TextAssembler:
         self._stop = [s for s in stop if s]
         self._pending = ""
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
 
     def add_token(self, token: int) -> str:
         """Add a token; returns text that is now safe to emit."""
@@ -44,8 +45,11 @@ class TextAssembler:
         return text[: len(text) - hold]
 
     def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self._stop) if i >= 0]
+        if not hits:
+            return None
+        cut, self.stop_string = min(hits, key=lambda hit: hit[0])
+        return cut
 
     def _held_suffix(self, text: str) -> int:
         """Length of the longest end of ``text`` that begins some stop string."""

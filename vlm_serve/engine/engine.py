@@ -39,8 +39,10 @@ class Engine:
         max_queue: int = 256,
         vision_cache_size: int = 64,
         warm: bool = False,
+        chat_template: str | None = None,
     ):
         self.model_name = model
+        self.chat_template = chat_template  # replaces the checkpoint's (--chat-template)
         self.warm = warm  # run every path once before reporting ready
         self.vision_cache_size = vision_cache_size
         self.scheduler_config = scheduler_config
@@ -77,7 +79,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self.loaded = loader.load(self.model_name)
+            self.loaded = loader.load(self.model_name, self.chat_template)
             self.scheduler = Scheduler(
                 self.loaded.model,
                 family_for(self.loaded.model, self.vision_cache_size),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,23 +83,30 @@ def resolve_chat_template(path: Path, processor) -> str | None:
     that differs), then whatever the processor or its tokenizer holds."""
     for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
         file = path / name
-        if not file.exists():
-            continue
-        if file.suffix == ".jinja":
-            return file.read_text()
-        template = json.loads(file.read_text()).get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if isinstance(template, str) and template:
+        if file.exists() and (template := read_chat_template(file)):
             return template
     return processor_template(processor)
 
 
-def load(model: str) -> LoadedModel:
-    """Load ``model`` (a local directory or a Hugging Face repo id) on this thread."""
+def read_chat_template(file: Path) -> str | None:
+    """A template file: a ``.json`` one holds it under "chat_template" (as
+    chat_template.json and tokenizer_config.json do); any other is the template."""
+    if file.suffix != ".json":
+        return file.read_text()
+    template = json.loads(file.read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template else None
+
+
+def load(model: str, chat_template: str | None = None) -> LoadedModel:
+    """Load ``model`` (a local directory or a Hugging Face repo id) on this thread;
+    ``chat_template`` (the text of --chat-template) replaces the checkpoint's."""
     from mlx_vlm import load as vlm_load
     from mlx_vlm.utils import get_model_path
 
+    started = time.monotonic()
+    log.info("loading %s", model)  # a repo id may download first
     path = Path(get_model_path(model))
     vlm_model, processor = vlm_load(str(path))
     # One token through the language model: warms up and tells the logits width,
@@ -117,12 +125,20 @@ def load(model: str) -> LoadedModel:
         eos_token_ids=_eos_ids(vlm_model, processor, path),
         vocab_size=vocab_size,
         max_model_len=_max_model_len(vlm_model),
-        chat_template=resolve_chat_template(path, processor),
+        chat_template=chat_template or resolve_chat_template(path, processor),
         sampling_defaults=_sampling_defaults(path),
         detokenizer=make_detokenizer(path, getattr(processor, "tokenizer", processor)),
     )
     log.info(
-        "loaded %s (%s): vocab=%d max_model_len=%d eos=%s",
-        model, loaded.model_type, vocab_size, loaded.max_model_len, sorted(loaded.eos_token_ids),
+        "loaded %s (%s, %s on disk) in %.1f s: vocab=%d max_model_len=%d eos=%s%s",
+        model, loaded.model_type, _disk_size(path), time.monotonic() - started, vocab_size,
+        loaded.max_model_len, sorted(loaded.eos_token_ids),
+        "; chat template from --chat-template" if chat_template else "",
     )
     return loaded
+
+
+def _disk_size(path: Path) -> str:
+    # stat() follows the Hugging Face cache's symlinks to the blobs they name.
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"

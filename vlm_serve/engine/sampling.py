@@ -41,13 +41,19 @@ class BatchSampler:
         self._bias: mx.array | None = None  # (B, V) or None when no row has a bias
         self._counts: mx.array | None = None  # (B, V) generated-token counts
         self._seen: mx.array | None = None  # (B, V) prompt or generated, for repetition
+        # min_tokens: the tokens each row may not end on yet, and how many more tokens
+        # it must generate before it may; None while no row asks for a minimum.
+        self._banned: mx.array | None = None  # (B, V) bool
+        self._min_left: mx.array | None = None  # (B,) int32
 
     def __len__(self) -> int:
         return len(self.params)
 
     # -- membership -------------------------------------------------------------------
 
-    def add(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def add(self, params: SamplingParams, prompt_ids: list[int], eos_ids=()) -> None:
+        """Append a row; ``eos_ids`` are the model's end tokens, banned with the row's
+        stop token ids until ``params.min_tokens`` tokens are generated."""
         V = self.vocab_size
         B = len(self.params)
         self.params.append(params)
@@ -77,20 +83,34 @@ class BatchSampler:
             self._counts = mx.concatenate([self._counts, counts])
             self._seen = mx.concatenate([self._seen, seen])
 
+        if params.min_tokens > 0 or self._banned is not None:
+            ends = [*(() if params.ignore_eos else eos_ids), *params.stop_token_ids]
+            ends = [t for t in ends if 0 <= t < V]
+            banned = mx.zeros((1, V), mx.bool_)
+            if params.min_tokens > 0 and ends:
+                banned = banned.at[0, mx.array(ends, mx.int32)].add(True)
+            if self._banned is None:
+                self._banned = mx.zeros((B, V), mx.bool_)
+                self._min_left = mx.zeros((B,), mx.int32)
+            self._banned = mx.concatenate([self._banned, banned])
+            self._min_left = mx.concatenate([self._min_left, mx.array([params.min_tokens], mx.int32)])
+
     def extend(self, other: "BatchSampler") -> None:
         """Append the rows of ``other`` (e.g. a row that just finished prefill)."""
         B, Bo, V = len(self), len(other), self.vocab_size
 
-        def cat(mine, theirs, dtype):
+        def cat(mine, theirs, dtype, width=(V,)):
             if mine is None and theirs is None:
                 return None
-            mine = mine if mine is not None else mx.zeros((B, V), dtype)
-            theirs = theirs if theirs is not None else mx.zeros((Bo, V), dtype)
+            mine = mine if mine is not None else mx.zeros((B, *width), dtype)
+            theirs = theirs if theirs is not None else mx.zeros((Bo, *width), dtype)
             return mx.concatenate([mine, theirs])
 
         self._bias = cat(self._bias, other._bias, mx.float32)
         self._counts = cat(self._counts, other._counts, mx.float32)
         self._seen = cat(self._seen, other._seen, mx.bool_)
+        self._banned = cat(self._banned, other._banned, mx.bool_)
+        self._min_left = cat(self._min_left, other._min_left, mx.int32, ())
         self.params += other.params
         self.positions += other.positions
         self._arrays = None
@@ -101,7 +121,7 @@ class BatchSampler:
         self.positions = [self.positions[i] for i in indices]
         self._arrays = None
         if not indices:
-            self._bias = self._counts = self._seen = None
+            self._bias = self._counts = self._seen = self._banned = self._min_left = None
             return
         idx = mx.array(indices, mx.int32)
         if self._bias is not None:
@@ -109,6 +129,11 @@ class BatchSampler:
         if self._counts is not None:
             self._counts = self._counts[idx]
             self._seen = self._seen[idx]
+        if self._banned is not None and not any(p.min_tokens > 0 for p in self.params):
+            self._banned = self._min_left = None
+        elif self._banned is not None:
+            self._banned = self._banned[idx]
+            self._min_left = self._min_left[idx]
 
     # -- sampling ---------------------------------------------------------------------
 
@@ -157,6 +182,9 @@ class BatchSampler:
             logits = self._apply_penalties(logits, a)
         if self._bias is not None:
             logits = logits + self._bias
+        if self._banned is not None:  # after the bias: no bias lets a row end early
+            logits = mx.where(self._banned & (self._min_left > 0)[:, None], -mx.inf, logits)
+            self._min_left = mx.maximum(self._min_left - 1, 0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)
 

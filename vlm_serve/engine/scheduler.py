@@ -140,6 +140,10 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.waiting) + len(self.prefilling),
             "kv_cache_bytes": self.kv_cache_bytes,
+            # Running totals for /metrics: prompt tokens whose KV came from the prefix
+            # cache, and image sets whose vision features came from the vision cache.
+            "prefix_cache_hit_tokens": self.prefix_cache.reused_tokens if self.prefix_cache else 0,
+            "vision_cache_hits": getattr(getattr(self.family, "vision_cache", None), "hits", 0),
         }
 
     # -- the loop ---------------------------------------------------------------------
@@ -255,7 +259,7 @@ class Scheduler:
                 return cost
             self.prefilling.popleft()
             sampler = BatchSampler(self.vocab_size)
-            sampler.add(state.request.sampling, state.request.input_ids.tolist())
+            sampler.add(state.request.sampling, state.request.input_ids.tolist(), self.eos_token_ids)
             allowed = allowed_tokens([state.matcher], self.vocab_size)
             out = sampler.sample(state.prefill.logits, allowed)
             prefill, state.prefill = state.prefill, None
@@ -421,6 +425,7 @@ class Scheduler:
             ),
             "e2e_s": now - state.arrived,
             "cached_tokens": state.reused_tokens,
+            "stop_string": state.text.stop_string,
         }
         self._outbox.append(
             GenerationEvent(

@@ -28,6 +28,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many are generated
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str | None = None  # llguidance grammar (JSON mode / JSON Schema)

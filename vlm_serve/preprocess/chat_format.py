@@ -117,9 +117,9 @@ def processor_template(processor) -> str | None:
     return None
 
 
-def _apply(tokenizer, template: str, messages: list[dict], **kwargs) -> str:
+def _apply(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
     return tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
 
 

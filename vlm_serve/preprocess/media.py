@@ -17,6 +17,7 @@ import binascii
 import contextlib
 import hashlib
 import io
+import math
 import os
 import stat
 import threading
@@ -54,6 +55,7 @@ class MediaPolicy:
     max_redirects: int = 3
     allow_private_urls: bool = False  # --allow-private-media-urls
     allowed_local_path: str | None = None  # --allowed-local-media-path; None: refuse files
+    min_image_pixels: int = 0  # --min-image-pixels: smaller images are upscaled to this area
 
 
 class MediaError(ValueError):
@@ -84,18 +86,39 @@ class PixelBudget:
 
 
 def load_image(
-    url: str, policy: MediaPolicy, param: str | None = None, budget: PixelBudget | None = None
+    url: str, policy: MediaPolicy, param: str | None = None, budget: PixelBudget | None = None,
+    detail: str | None = None,
 ) -> Image.Image:
-    """Fetch and decode one image into a loaded RGB PIL image (first frame, EXIF-upright).
+    """Fetch and decode one image into a loaded RGB PIL image (first frame, EXIF-upright),
+    within the resolution bounds of `fit_resolution`.
 
     `param` names the request field (e.g. "messages[1].content[2].image_url") and is
     attached to any MediaError raised.
     """
     try:
-        return decode_image(read_image_bytes(url, policy), policy, budget)
+        return fit_resolution(decode_image(read_image_bytes(url, policy), policy, budget), policy, detail)
     except MediaError as exc:
         exc.param = exc.param or param
         raise
+
+
+# image_url.detail "low": the image is shrunk to fit this square (OpenAI's low detail is
+# one 512x512 view); "high" and "auto" leave it to the model's processor.
+LOW_DETAIL_SIZE = 512
+
+
+def fit_resolution(image: Image.Image, policy: MediaPolicy, detail: str | None = None) -> Image.Image:
+    """The image the processor sees: shrunk for detail "low", then grown to at least
+    ``policy.min_image_pixels`` (aspect ratio kept both ways). Models whose image token
+    count follows the image size get fewer (or more) tokens accordingly."""
+    if detail == "low" and max(image.size) > LOW_DETAIL_SIZE:
+        image = ImageOps.contain(image, (LOW_DETAIL_SIZE, LOW_DETAIL_SIZE), Image.Resampling.BICUBIC)
+    width, height = image.size
+    if width * height < policy.min_image_pixels:
+        scale = math.sqrt(policy.min_image_pixels / (width * height))
+        size = (math.ceil(width * scale), math.ceil(height * scale))
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    return image
 
 
 def read_image_bytes(url: str, policy: MediaPolicy) -> bytes:

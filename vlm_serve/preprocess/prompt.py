@@ -72,8 +72,9 @@ _RESERVED_TEMPLATE_KWARGS = {
 }
 
 
-def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
-    """OpenAI messages -> the shape HF chat templates expect, plus image URLs in order."""
+def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str, str, str | None]]]:
+    """OpenAI messages -> the shape HF chat templates expect, plus the images in order
+    as (url, request field, detail)."""
     out, images = [], []
     for i, msg in enumerate(messages):
         role = "system" if msg["role"] == "developer" else msg["role"]
@@ -87,7 +88,8 @@ def _template_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str
                 else:
                     image = part["image_url"]
                     url = image["url"] if isinstance(image, dict) else image
-                    images.append((url, f"messages[{i}].content[{j}].image_url"))
+                    detail = image.get("detail") if isinstance(image, dict) else None
+                    images.append((url, f"messages[{i}].content[{j}].image_url", detail))
                     parts.append({"type": "image"})
             item["content"] = parts
         else:
@@ -114,7 +116,8 @@ def _template_tool_call(call: dict) -> dict:
 
 
 def render_chat(
-    ctx: PromptContext, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None
+    ctx: PromptContext, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None,
+    add_generation_prompt: bool = True,
 ) -> str:
     requested = dict(template_kwargs or {})
     template = requested.pop("chat_template", None)
@@ -132,6 +135,8 @@ def render_chat(
     }
     if tools:
         kwargs["tools"] = tools
+    if not add_generation_prompt:  # /tokenize may ask for the conversation alone
+        kwargs["add_generation_prompt"] = False
     try:
         return ctx.chat_format.render(ctx.processor, messages, template, **kwargs)
     except Exception as exc:  # template errors are caused by the request's shape
@@ -179,8 +184,9 @@ def _to_numpy(value):
     return np.asarray(value)
 
 
-def chat_images(ctx: PromptContext, messages: list[dict]) -> list[tuple[str, str]]:
-    """The (url, request field) of every image in the messages, within the count limit."""
+def chat_images(ctx: PromptContext, messages: list[dict]) -> list[tuple[str, str, str | None]]:
+    """The (url, request field, detail) of every image in the messages, within the count
+    limit."""
     _, refs = _template_messages(messages)
     if len(refs) > ctx.max_images:
         raise PromptError(
@@ -191,9 +197,9 @@ def chat_images(ctx: PromptContext, messages: list[dict]) -> list[tuple[str, str
     return refs
 
 
-def load_chat_image(ctx: PromptContext, ref: tuple[str, str], budget: PixelBudget | None):
-    url, param = ref
-    return load_image(url, ctx.media, param=param, budget=budget)
+def load_chat_image(ctx: PromptContext, ref: tuple[str, str, str | None], budget: PixelBudget | None):
+    url, param, detail = ref
+    return load_image(url, ctx.media, param=param, budget=budget, detail=detail)
 
 
 def prepare_chat(
@@ -204,6 +210,7 @@ def prepare_chat(
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
     images: list | None = None,
+    add_generation_prompt: bool = True,
 ) -> PreparedRequest:
     """Render and tokenize a chat. ``images`` are the messages' images already loaded
     (in order); when None they are loaded here, one after another."""
@@ -214,7 +221,7 @@ def prepare_chat(
     uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools and not template_handles_tools(ctx.chat_template):
         hf_messages, tools = inline_tools(hf_messages, tools or []), None
-    prompt = render_chat(ctx, hf_messages, tools, template_kwargs)
+    prompt = render_chat(ctx, hf_messages, tools, template_kwargs, add_generation_prompt)
     return prepare_prompt(ctx, request_id, prompt, sampling, images)
 
 
