@@ -10,6 +10,8 @@ start from the prefix cache and prefill only what it does not hold.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
@@ -42,6 +44,10 @@ class Prefill:
         self.chunked = True
         self.logits: mx.array | None = None  # (1, V) once done
         self.row_state: dict | None = None  # what the row keeps for decoding, once done
+        # The cache one token short of the prompt, kept where the full one could not be
+        # trimmed back to it later (a rotated sliding window): an identical prompt (a
+        # retry, a regenerate) then still finds it and prefills only its last token.
+        self.short_cache: list | None = None
 
     @property
     def done(self) -> bool:
@@ -75,8 +81,13 @@ class Prefill:
 
     def remember(self) -> None:
         """Offer this text-only prompt's finished cache to the prefix cache."""
-        if self.prefix_cache is not None and self.done:
-            self.prefix_cache.store(self.request.input_ids.tolist(), self.cache)
+        if self.prefix_cache is None or not self.done:
+            return
+        tokens = self.request.input_ids.tolist()
+        if self.short_cache is not None:
+            self.prefix_cache.store(tokens[:-1], self.short_cache)
+        else:
+            self.prefix_cache.store(tokens, self.cache)
 
     def step(self) -> int:
         """Queue the next chunk; after the last one, ``logits`` is set.
@@ -101,6 +112,8 @@ class Prefill:
             self.embeds = self.embeds[:, n:]
             self.position += n
             return n
+        if self.prefix_cache is not None and remaining == 1 and _rotates_on_next_token(self.cache):
+            self.short_cache = copy.deepcopy(self.cache)
         out = lm(
             self.input_ids[:, -remaining:],
             inputs_embeds=self.embeds,
@@ -113,3 +126,9 @@ class Prefill:
         self.position += remaining
         self.input_ids = self.embeds = None
         return remaining
+
+
+def _rotates_on_next_token(cache: list) -> bool:
+    """Whether one more token leaves some layer's window full, so the cache can no
+    longer be trimmed back to where it is now."""
+    return any(getattr(c, "max_size", None) and c.offset + 1 >= c.max_size for c in cache)
