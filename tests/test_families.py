@@ -155,6 +155,38 @@ def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):
         assert cache is None
 
 
+def test_image_chat_turn_two_reuses_its_prefix_and_matches_mlx_vlm(family):
+    """Turn 2 of an image chat (same image, the answer and a new question) starts from
+    turn 1's cache; the same conversation with another image reuses at most the text
+    before the image."""
+    if family.arch in SLOW_VISION:
+        pytest.skip("image requests of this family run only with VLM_SERVE_SLOW_TESTS=1")
+    question = [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]
+    first = family.prepare("img-turn-1", "What is in the picture?", [make_image(64, 48, 21)], 4)
+    run_jobs(family.engine, [(first, None, None)])
+    scheduler = family.engine.scheduler
+    cache, image_tokens = scheduler.prefix_cache, scheduler.family.image_token_ids
+    reuses_images = cache is not None and scheduler.family.image_prefix_cache and image_tokens
+    before_image = int(np.argmax(np.isin(first.input_ids, list(image_tokens)))) if image_tokens else 0
+    conversation = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": "Tell me more about it."},
+    ]
+    prompt = render_chat(family.ctx, conversation)
+    for rid, seed in (("img-turn-2", 21), ("img-other", 22)):
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        second = prepare_prompt(family.ctx, rid, prompt, params, [make_image(64, 48, seed)])
+        before = cache.reused_tokens if cache else 0
+        result = run_jobs(family.engine, [(second, None, None)])[rid]
+        assert result["tokens"] == family.oracle(second), rid
+        reused = (cache.reused_tokens if cache else 0) - before
+        if rid == "img-turn-2" and reuses_images:
+            assert reused > before_image  # past the image: its KV came from turn 1
+        else:
+            assert reused <= before_image  # never past the first image placeholder
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_users_words_reach_the_prompt(arch):
     """String or list content, with or without an image: the text is in the token ids."""

@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vision-cache-size", type=int, default=d.vision_cache_size,
                    help="image sets whose vision features are kept for reuse (0: off)")
     g.add_argument("--prefix-cache-size", type=int, default=d.prefix_cache_size,
-                   help="text-only prompts whose KV is kept to reuse for prompts sharing a "
-                        "prefix (0: off); prompts with images are never cached")
+                   help="prompts whose KV is kept to reuse for prompts sharing a prefix "
+                        "(0: off); image placeholders are keyed by the images' digests")
     g.add_argument("--prefix-cache-gb", type=float, default=d.prefix_cache_gb,
                    help="memory cap of the prefix cache")
     g.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",

@@ -4,8 +4,9 @@ The split mirrors mlx-vlm's ``generate_step``: the prompt minus its last token g
 through the language model in chunks of ``step_size`` (outputs discarded), then the last
 token alone gives the logits of the first sampled token. Only last-position logits are
 ever computed. The scheduler runs chunks up to a token budget between decode steps, so
-running streams keep flowing while a long prompt is prefilled. Text-only prompts may
-start from the prefix cache and prefill only what it does not hold.
+running streams keep flowing while a long prompt is prefilled. A prompt may start from
+the prefix cache (keyed by its tokens and, where it has images, their digests) and
+prefill only what the cache does not hold.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
 from .families import Family
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, prefix_key
 from .types import PreparedRequest
 
 
@@ -33,7 +34,9 @@ class Prefill:
         self.family = family
         self.request = request
         self.step_size = max(1, step_size)
-        usable = family.prefix_cache and not request.has_media
+        usable = family.prefix_cache and (
+            not request.has_media or (family.image_prefix_cache and family.image_token_ids)
+        )
         self.prefix_cache = prefix_cache if usable else None
         self.reused = 0  # prompt tokens whose KV came from the prefix cache
         self.position = 0  # prompt tokens in the cache so far
@@ -67,7 +70,7 @@ class Prefill:
             self.input_ids, self.embeds, self.cache, self.kwargs
         )
         if self.prefix_cache is not None:
-            cache, self.reused = self.prefix_cache.lookup(req.input_ids.tolist())
+            cache, self.reused = self.prefix_cache.lookup(self._key())
             if cache is not None:
                 # Only the rest is prefilled. Position metadata in kwargs stays that of the
                 # whole prompt: the models slice it by the cache offset, as mlx-vlm's own
@@ -80,14 +83,18 @@ class Prefill:
         return self.request.num_prompt_tokens if self.request.has_media else 1
 
     def remember(self) -> None:
-        """Offer this text-only prompt's finished cache to the prefix cache."""
+        """Offer this prompt's finished cache to the prefix cache."""
         if self.prefix_cache is None or not self.done:
             return
-        tokens = self.request.input_ids.tolist()
+        tokens = self._key()
         if self.short_cache is not None:
             self.prefix_cache.store(tokens[:-1], self.short_cache)
         else:
             self.prefix_cache.store(tokens, self.cache)
+
+    def _key(self) -> list[int]:
+        req = self.request
+        return prefix_key(req.input_ids.tolist(), self.family.image_token_ids, req.image_digests)
 
     def step(self) -> int:
         """Queue the next chunk; after the last one, ``logits`` is set.

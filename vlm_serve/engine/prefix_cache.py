@@ -1,16 +1,31 @@
-"""Reuse of earlier prompts' KV for text-only prompts that share a token prefix.
+"""Reuse of earlier prompts' KV for prompts that share a prefix.
 
 Built on mlx-lm's ``LRUPromptCache`` (a token trie with LRU eviction that trims a
-longer cached prompt down to the shared prefix where the cache allows it). Only prompts
-without images are stored or looked up: identical token ids with different images
-(the image placeholders are the same tokens) must never share KV.
+longer cached prompt down to the shared prefix where the cache allows it). Identical
+token ids with different images must never share KV (the image placeholders are the
+same tokens), so in the key every image placeholder becomes a mark derived from the
+digests of all the request's images, in order: the same conversation with the same
+images matches, while another image, or the same images in another order, diverges
+at the first placeholder (the text before it, which cannot see the image, still
+matches).
 """
 
 from __future__ import annotations
 
+import hashlib
+
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 _MODEL_KEY = "served-model"
+
+
+def prefix_key(tokens: list[int], image_tokens: frozenset, digests: tuple[str, ...]) -> list[int]:
+    """The cache key of a prompt: its token ids, image placeholders marked by images."""
+    if not digests:
+        return tokens
+    digest = hashlib.sha256("|".join(digests).encode()).hexdigest()
+    mark = -1 - int(digest[:15], 16)  # negative: never a real token id
+    return [mark if t in image_tokens else t for t in tokens]
 
 
 class PrefixCache:

@@ -85,7 +85,7 @@ class Step:
 class SchedulerConfig:
     max_num_seqs: int = 32
     prefill_step_size: int = 512
-    prefix_cache_entries: int = 16  # text-only prompts kept for prefix reuse; 0: off
+    prefix_cache_entries: int = 16  # prompts kept for prefix reuse; 0: off
     prefix_cache_bytes: int = 2 << 30
     # Prompt tokens prefilled between two decode steps: more means faster time to first
     # token for new requests, less means smoother streams for running ones.

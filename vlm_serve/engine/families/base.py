@@ -29,6 +29,8 @@ from ..vision_cache import VisionCache
 
 # Keys of ``get_input_embeddings`` output that are not language-model arguments.
 _EMBED_ONLY_KEYS = {"inputs_embeds"}
+# Config fields that name the image placeholder token, across mlx-vlm's models.
+_IMAGE_TOKEN_FIELDS = ("image_token_index", "image_token_id", "media_placeholder_token_id")
 # Language-model outputs that mlx-vlm's generate_step feeds to the next step.
 _CARRIED_OUTPUTS = ("cross_attention_states", "encoder_outputs")
 
@@ -36,11 +38,19 @@ _CARRIED_OUTPUTS = ("cross_attention_states", "encoder_outputs")
 class Family:
     name = "generic"
     batched = True  # rows share one batched decode step
-    prefix_cache = True  # text-only prompts may start from a cached prefix
+    prefix_cache = True  # prompts may start from a cached prefix
+    image_prefix_cache = True  # ... prompts with images too (keyed by their digests)
 
     def __init__(self, model, vision_cache_size: int = 64):
         self.model = model
         self.vision_cache = VisionCache(vision_cache_size)
+        # The placeholder ids image features replace: prompts with images may use the
+        # prefix cache only when these are known (they are marked in its keys).
+        config = model.config
+        self.image_token_ids = frozenset(
+            v for v in (getattr(config, name, None) for name in _IMAGE_TOKEN_FIELDS)
+            if isinstance(v, int)
+        )
 
     def describe(self) -> str:
         return f"{self.name} family, batched decode"

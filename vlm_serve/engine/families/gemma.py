@@ -20,6 +20,9 @@ class Gemma3(Family):
 
 class Gemma4(Family):
     name = "gemma4"
+    # Reusing an image prompt's prefix does not reproduce its tokens yet (its attention
+    # over image tokens is bidirectional): image prompts are prefilled whole.
+    image_prefix_cache = False
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return self.model.encode_image(pixel_values, inputs.get("image_position_ids"))
