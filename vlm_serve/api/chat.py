@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 from ..engine.types import GenerationEvent, PreparedRequest
 from ..preprocess.prompt import PromptError, chat_images, check_prompt_size, prepare_chat
 from ..preprocess.tool_prompt import text_of
+from ..tools.grammar import enforces, tool_call_grammar
 from .errors import bad_request
 from .choices import UsageTally, fan_out, merged, run_all, start_all
 from .generation import deliver, start, stream_sse
@@ -47,6 +48,7 @@ async def start_chat(state: AppState, chat: ChatRequest, request_id: str):
 
 async def prepare_chat_request(state: AppState, chat: ChatRequest, request_id: str) -> PreparedRequest:
     """Images, template and tokens of a validated chat, within the context's limits."""
+    enforce_tool_choice(state, chat)
     ctx = state.prompt_context
     text_bytes = sum(len(text_of(m.get("content")).encode()) for m in chat.messages)
     try:
@@ -61,6 +63,27 @@ async def prepare_chat_request(state: AppState, chat: ChatRequest, request_id: s
     )
     state.apply_limits(prepared, chat.max_tokens)
     return prepared
+
+
+def enforce_tool_choice(state: AppState, chat: ChatRequest) -> None:
+    """``tool_choice`` "required" or a named function becomes a grammar (one call of an
+    allowed tool) where the model's tool-call format is JSON-shaped."""
+    fmt = getattr(state.tool_parser, "name", None)
+    if not enforces(fmt, chat.tool_choice):
+        return
+    if chat.sampling.grammar is not None:
+        raise bad_request("'response_format' cannot be combined with tool_choice 'required' or a named "
+                          "function", "tool_choice")
+    tokenizer = state.loaded.tokenizer
+
+    def marker_token(text: str) -> int | None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    try:
+        chat.sampling.grammar = tool_call_grammar(fmt, chat.active_tools, marker_token)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tools") from exc
 
 
 async def _respond(state: AppState, streams, outputs: list[OutputProcessor], tally: UsageTally,
