@@ -344,8 +344,8 @@ class Scheduler:
     def _drop(self, states: list[RequestState]) -> None:
         gone = {id(s) for s in states}
         keep = [i for i, s in enumerate(self.running) if id(s) not in gone]
-        self.batch.keep(keep)
-        self.running = [self.running[i] for i in keep]
+        order = self.batch.keep(keep)  # the batch may reorder its rows
+        self.running = [self.running[i] for i in order]
 
     def _logprob_arrays(self, out, states: list[RequestState]) -> tuple:
         if not any(s.request.sampling.logprobs for s in states):
