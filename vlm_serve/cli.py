@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 2048 on a GPU, 512 on the CPU")
     g.add_argument("--vision-cache-size", type=int, default=d.vision_cache_size,
                    help="image sets whose vision features are kept for reuse (0: off)")
+    g.add_argument("--image-cache-size", type=int, default=d.image_cache_size,
+                   help="images kept decoded and processed, so a resent image skips both "
+                        "(entries: an image, or one request's images processed; 0: off)")
+    g.add_argument("--image-cache-gb", type=float, default=d.image_cache_gb,
+                   help="memory cap of the image cache")
     g.add_argument("--prefix-cache-size", type=int, default=d.prefix_cache_size,
                    help="prompts whose KV is kept to reuse for prompts sharing a prefix "
                         "(0: off); image placeholders are keyed by the images' digests")

@@ -27,6 +27,8 @@ class ServerConfig:
     prefill_step_size: int = 512
     prefill_token_budget: int | None = None  # None: 2048 on a GPU, 512 on the CPU
     vision_cache_size: int = 64
+    image_cache_size: int = 64  # loaded and processed images kept, entries (0: off) ...
+    image_cache_gb: float = 1.0  # ... and memory
     prefix_cache_size: int = 16
     prefix_cache_gb: float = 2.0
     request_timeout_s: float | None = None
