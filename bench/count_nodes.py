@@ -1,4 +1,6 @@
-"""Graph nodes of one decode step: mlx-vlm's plain forward against the engine's batch step.
+"""Graph nodes of one decode step: mlx-vlm's plain forward against the engine's batch step
+(through the model code on mlx-lm's batch caches, and through the family's own decode
+step where it has one).
 
 On MLX the decode step is paid per graph node on the host, so nodes per step is the
 engine's currency. Counts come from ``mx.export_to_dot`` on each step's outputs. On the
@@ -43,9 +45,16 @@ def plain_step_nodes(model, batch: int, context: int) -> collections.Counter:
     return count(mx.argmax(logits, axis=-1))
 
 
-def engine_step_nodes(model, batch: int, context: int) -> collections.Counter:
-    engine_batch = build_engine_batch(model, batch, context, max_tokens=64, ragged=True)
-    mx.eval(engine_batch.next_tokens, [c.state for c in engine_batch.cache])
+def engine_step_nodes(model, batch: int, context: int, use_decoder: bool) -> collections.Counter:
+    engine_batch = build_engine_batch(
+        model, batch, context, max_tokens=64, ragged=True, use_decoder=use_decoder
+    )
+    if engine_batch.store is None and use_decoder:
+        return collections.Counter()  # this family has no decode step of its own
+    held = engine_batch.store.keys + engine_batch.store.values if engine_batch.store else [
+        c.state for c in engine_batch.cache
+    ]
+    mx.eval(engine_batch.next_tokens, held)
     return count(engine_batch.step().tokens)
 
 
@@ -59,14 +68,20 @@ def main() -> None:
     model, _ = load(args.model)
     layers = len(model.language_model.layers)
     result = {"device": str(mx.default_device()), "batch": args.batch, "layers": layers}
-    for name, fn in (("plain", plain_step_nodes), ("engine", engine_step_nodes)):
-        nodes = fn(model, args.batch, args.context)
+    counters = {
+        "plain": lambda: plain_step_nodes(model, args.batch, args.context),
+        "model_code": lambda: engine_step_nodes(model, args.batch, args.context, False),
+        "engine": lambda: engine_step_nodes(model, args.batch, args.context, True),
+    }
+    for name, fn in counters.items():
+        nodes = fn()
         total = sum(nodes.values())
         result[name] = {"nodes": total, "per_layer": round(total / layers, 1),
                         "top": dict(nodes.most_common(12))}
-        print(f"{name:7s} {total:6d} nodes ({total / layers:.1f} per layer)  {dict(nodes.most_common(6))}")
-    result["ratio"] = round(result["engine"]["nodes"] / result["plain"]["nodes"], 3)
-    print(f"engine / plain: {result['ratio']}")
+        print(f"{name:10s} {total:6d} nodes ({total / layers:.1f} per layer)  {dict(nodes.most_common(6))}")
+    for name in ("model_code", "engine"):
+        result[f"{name}_ratio"] = round(result[name]["nodes"] / result["plain"]["nodes"], 3)
+        print(f"{name} / plain: {result[f'{name}_ratio']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -68,10 +68,14 @@ def plain_step(model, batch, context, steps, array_offset=False) -> float:
     return time_steps(step, steps)
 
 
-def build_engine_batch(model, batch: int, context: int, max_tokens: int, ragged: bool) -> Batch:
+def build_engine_batch(
+    model, batch: int, context: int, max_tokens: int, ragged: bool, use_decoder: bool = False
+) -> Batch:
     """The engine's own batch of ``batch`` prefilled text rows of about ``context`` tokens
-    (of different lengths when ``ragged``, so the batch caches are left-padded)."""
+    (of different lengths when ``ragged``, so the batch caches are left-padded). Without
+    ``use_decoder`` it decodes through the model code on mlx-lm's batch caches."""
     family = family_for(model)
+    family.use_decoder = use_decoder
     vocab = model.language_model(mx.zeros((1, 1), mx.int32)).logits.shape[-1]
     engine_batch = Batch(model, family, vocab)
     rng = np.random.default_rng(1)

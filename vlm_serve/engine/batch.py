@@ -1,10 +1,12 @@
 """The running batch: one batched decode step for every row.
 
-Rows that finished prefill join with their own single-request caches, merged into
-left-padded batch caches (``BatchKVCache`` / ``BatchRotatingKVCache``, one per layer, the
-design of mlx-lm's, as mlx-vlm's cache module provides them). Rows that finish leave at
-once: the caches are filtered. A family that is not batched (``Family.batched``) has at
-most one row, which keeps its own prompt cache, exactly as in single-request generation.
+Rows that finished prefill join with their own single-request caches. Where the family
+has an engine-owned decode step (``Family.decoder``), the rows are copied into its slot
+store and decode through it. Otherwise they are merged into left-padded batch caches
+(``BatchKVCache`` / ``BatchRotatingKVCache``, one per layer, the design of mlx-lm's, as
+mlx-vlm's cache module provides them) and decode through mlx-vlm's model code. Rows that
+finish leave at once. A family that is not batched (``Family.batched``) has at most one
+row, which keeps its own prompt cache, exactly as in single-request generation.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Batch:
         self.vocab_size = vocab_size
         self.row_states: list[dict[str, Any]] = []
         self.cache: list | None = None
+        self.decoder = family.decoder() if family.batched else None
+        self.store = self.decoder.new_store() if self.decoder else None
         self.sampler = BatchSampler(vocab_size)
         # The input of the next step: one token per row, possibly still being computed
         # by the step in flight (so the next step can be queued before it finishes).
@@ -46,6 +50,8 @@ class Batch:
 
     @property
     def nbytes(self) -> int:
+        if self.store is not None:
+            return self.store.nbytes
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
     def add(self, rows: list[JoiningRow]) -> None:
@@ -54,7 +60,9 @@ class Batch:
         caches are copied once per join, not once per row."""
         if not rows:
             return
-        if not self.family.batched:
+        if self.store is not None:
+            self.store.join([row.cache for row in rows])
+        elif not self.family.batched:
             if self.cache is not None or len(rows) > 1:
                 raise RuntimeError(f"{self.family.describe()}: cannot batch rows")
             self.cache = rows[0].cache
@@ -76,22 +84,29 @@ class Batch:
     def _merged(rows: list[JoiningRow]) -> list:
         return [type(layer[0]).merge(list(layer)) for layer in zip(*(row.cache for row in rows))]
 
-    def keep(self, indices: list[int]) -> None:
-        """Keep the rows at ``indices``; everything else leaves the batch now."""
+    def keep(self, indices: list[int]) -> list[int]:
+        """Keep the rows at ``indices``; everything else leaves the batch now. Returns
+        the rows' new order (new row j is old row ``order[j]``): the slot store moves a
+        row into the slot of one that left rather than shifting the rest."""
         if len(indices) == len(self):
-            return
+            return list(range(len(self)))
         if not indices:
             self.reset()
-            return
-        idx = mx.array(indices, mx.int32)
-        for c in self.cache:
-            c.filter(idx)
+            return []
+        if self.store is not None:
+            indices = self.store.keep(indices)
+        else:
+            for c in self.cache:
+                c.filter(mx.array(indices, mx.int32))
         self.sampler.keep(indices)
         self.row_states = [self.row_states[i] for i in indices]
-        self.next_tokens = self.next_tokens[idx]
+        self.next_tokens = self.next_tokens[mx.array(indices, mx.int32)]
+        return indices
 
     def reset(self) -> None:
         self.cache = None
+        if self.store is not None:
+            self.store.reset()
         self.sampler = BatchSampler(self.vocab_size)
         self.row_states = []
         self.next_tokens = None
@@ -100,9 +115,20 @@ class Batch:
         """Queue one decode step for all rows. Nothing is evaluated here: the returned
         tokens are lazy and already feed the step after this one. ``allowed`` masks the
         tokens of rows under a grammar."""
+        sample = self.sampler.sample(self._logits(), allowed)
+        self.next_tokens = sample.tokens
+        return sample
+
+    def _logits(self) -> mx.array:
+        """Last-position logits (rows, vocab) of one decode step."""
+        if self.store is not None:
+            rows, slots = len(self), self.store.slots
+            tokens = self.next_tokens
+            if slots > rows:  # the empty slots of the store's bucket decode a dummy token
+                tokens = mx.concatenate([tokens, mx.zeros((slots - rows,), mx.int32)])
+            logits = self.decoder(tokens, self.store)
+            return logits[:rows] if slots > rows else logits
         kwargs = self.family.decode_kwargs(self.cache, self.row_states)
         out = self.model.language_model(self.next_tokens[:, None], cache=self.cache, **kwargs)
         self.family.after_step(out, self.row_states)
-        sample = self.sampler.sample(out.logits[:, -1, :], allowed)
-        self.next_tokens = sample.tokens
-        return sample
+        return out.logits[:, -1, :]

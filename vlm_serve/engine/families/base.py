@@ -40,6 +40,10 @@ class Family:
     batched = True  # rows share one batched decode step
     prefix_cache = True  # prompts may start from a cached prefix
     image_prefix_cache = True  # ... prompts with images too (keyed by their digests)
+    # The engine-owned decode step (``engine/decode``), if the family has one; None:
+    # decode through mlx-vlm's model code on mlx-lm's batch caches.
+    decoder_class = None
+    use_decoder = True  # off: always decode through mlx-vlm's model code (for comparison)
 
     def __init__(self, model, vision_cache_size: int = 64):
         self.model = model
@@ -53,7 +57,16 @@ class Family:
         )
 
     def describe(self) -> str:
-        return f"{self.name} family, batched decode"
+        path = "engine decode step" if self.decoder_class and self.use_decoder else "model code"
+        return f"{self.name} family, batched decode ({path})"
+
+    def decoder(self):
+        """The family's decode step, built once (it fuses weights in place)."""
+        if self.decoder_class is None or not self.use_decoder:
+            return None
+        if getattr(self, "_decoder", None) is None:
+            self._decoder = self.decoder_class(self.model)
+        return self._decoder
 
     def encode_images(self, input_ids: mx.array, pixel_values, inputs: dict):
         """The projected image features ``get_input_embeddings`` would compute, for

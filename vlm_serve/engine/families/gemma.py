@@ -3,11 +3,13 @@ cache classes); the vision tower's output is cached for repeated images."""
 
 from __future__ import annotations
 
+from ..decode import Gemma3Decoder
 from .base import Family
 
 
 class Gemma3(Family):
     name = "gemma3"
+    decoder_class = Gemma3Decoder
 
     def encode_images(self, input_ids, pixel_values, inputs):
         # As Gemma 3's get_input_embeddings: pixels in the embedding dtype, channels last.

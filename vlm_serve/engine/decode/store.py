@@ -1,0 +1,220 @@
+"""The batch's KV memory: one preallocated store per layer, a slot per row.
+
+Each layer keeps keys and values of shape (slots, kv_heads, columns, head_dim). A row's
+token at position p sits in column p of its slot (a sliding-window layer keeps a ring of
+``window`` columns: column p % window). Rows never share columns and are never padded
+against each other, so:
+
+- a row joins by copying its prefill cache into a free slot (nothing else moves);
+- a row leaves by moving the last live row into its slot (one row's copy, not the
+  batch's), so live rows are always slots [0, rows);
+- a decode step writes every row's new key with one scatter per layer, and every layer
+  of a kind shares one mask and one index array, built once per step from positions the
+  host already knows (nothing is read back).
+
+The number of slots follows the number of rows in coarse buckets, so steps keep the
+same shapes while rows come and go; the empty slots of a bucket compute on garbage that
+nothing reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+COLUMN_STEP = 256  # columns are added in steps of this many (as mlx-lm's caches do)
+_SLOT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def slot_bucket(rows: int) -> int:
+    for size in _SLOT_BUCKETS:
+        if rows <= size:
+            return size
+    return -(-rows // 128) * 128
+
+
+@dataclass
+class LayerKind:
+    """Layers that share a mask: full attention (window None) or one sliding window."""
+
+    window: int | None
+
+
+@dataclass
+class StepLayout:
+    """What every layer of one kind needs for one decode step."""
+
+    write_index: mx.array  # (slots, kv_heads, 1, head_dim): column each row writes
+    mask: mx.array  # (slots, 1, 1, span) bool: keys each row may attend to
+    span: int  # columns attended (a prefix of the store)
+
+
+class SlotStore:
+    def __init__(self, layer_kinds: list[LayerKind], kv_heads: int, head_dim: int):
+        self.layer_kinds = layer_kinds
+        self.kinds = sorted({k.window or 0 for k in layer_kinds})
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.keys: list[mx.array] | None = None
+        self.values: list[mx.array] | None = None
+        self.lengths: list[int] = []  # tokens each live row holds (its next position)
+
+    # -- shape -------------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        if not self.keys:
+            return 0
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    def _columns(self, kind: LayerKind, needed: int) -> int:
+        columns = -(-needed // COLUMN_STEP) * COLUMN_STEP
+        return min(columns, kind.window) if kind.window else columns
+
+    def _resize(self, slots: int, needed_columns: int, dtype) -> None:
+        """Reallocate to ``slots`` slots holding at least ``needed_columns`` positions,
+        keeping the live rows (layers already that size are left alone)."""
+        keys, values = [], []
+        for i, kind in enumerate(self.layer_kinds):
+            columns = self._columns(kind, needed_columns)
+            old = self.keys[i] if self.keys is not None else None
+            if old is not None:
+                columns = max(columns, old.shape[2])
+                if old.shape[0] == slots and old.shape[2] == columns:
+                    keys.append(old)
+                    values.append(self.values[i])
+                    continue
+            shape = (slots, self.kv_heads, columns, self.head_dim)
+            k, v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+            if old is not None and self.rows:
+                n, c = self.rows, old.shape[2]
+                k[:n, :, :c] = old[:n]
+                v[:n, :, :c] = self.values[i][:n]
+            keys.append(k)
+            values.append(v)
+        self.keys, self.values = keys, values
+
+    # -- rows joining and leaving ------------------------------------------------------
+
+    def join(self, row_caches: list[list]) -> None:
+        """Copy prefilled rows in: each is one row's per-layer mlx-lm caches
+        (``KVCache`` for full attention, ``RotatingKVCache`` for a window)."""
+        lengths = [caches[0].offset for caches in row_caches]
+        rows = self.rows + len(row_caches)
+        needed = max([*self.lengths, *lengths]) + 1
+        dtype = row_caches[0][0].keys.dtype
+        if self.keys is None or rows > self.slots or needed > self._capacity():
+            self._resize(max(slot_bucket(rows), self.slots), needed, dtype)
+        for caches, length in zip(row_caches, lengths):
+            slot = self.rows
+            for i, (kind, cache) in enumerate(zip(self.layer_kinds, caches)):
+                k, v = _in_store_order(cache, kind.window)
+                self.keys[i][slot:slot + 1, :, : k.shape[2]] = k
+                self.values[i][slot:slot + 1, :, : v.shape[2]] = v
+            self.lengths.append(length)
+
+    def _capacity(self) -> int:
+        """Positions every layer can hold (a full window never runs out)."""
+        capacity = 1 << 62
+        for keys, kind in zip(self.keys, self.layer_kinds):
+            if not (kind.window and keys.shape[2] >= kind.window):
+                capacity = min(capacity, keys.shape[2])
+        return capacity
+
+    def keep(self, indices: list[int]) -> list[int]:
+        """Keep the live rows at ``indices``. Each row that leaves takes the last live
+        row into its slot. Returns the new order: new row j is old row order[j]."""
+        kept = set(indices)
+        order = list(range(self.rows))
+        for gone in sorted(set(order) - kept, reverse=True):
+            last = len(order) - 1
+            if gone != last:
+                for store in (self.keys, self.values):
+                    for i, layer in enumerate(store):
+                        layer[gone:gone + 1] = layer[last:last + 1]
+                order[gone] = order[last]
+                self.lengths[gone] = self.lengths[last]
+            order.pop()
+            self.lengths.pop()
+        if not order:
+            self.reset()
+        elif slot_bucket(len(order)) * 2 < self.slots:
+            self._shrink(slot_bucket(len(order)))
+        return order
+
+    def _shrink(self, slots: int) -> None:
+        self.keys = [mx.array(k[:slots]) for k in self.keys]
+        self.values = [mx.array(v[:slots]) for v in self.values]
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.lengths = []
+
+    # -- one decode step ---------------------------------------------------------------
+
+    def layout(self) -> tuple[mx.array, dict[int, StepLayout]]:
+        """Positions of this step's tokens (slots,) and, per kind, where they are
+        written and what they attend to. Grows the store first if a row needs it."""
+        longest = max(self.lengths) + 1
+        if longest > self._capacity():
+            self._resize(self.slots, longest, self.keys[0].dtype)
+        padding = [0] * (self.slots - self.rows)
+        positions = mx.array(self.lengths + padding, mx.int32)
+        layouts = {}
+        for window in self.kinds:
+            if window:
+                columns = [p % window for p in self.lengths] + padding
+                span = min(window, -(-longest // COLUMN_STEP) * COLUMN_STEP)
+            else:
+                columns = self.lengths + padding
+                span = -(-longest // COLUMN_STEP) * COLUMN_STEP
+            column = mx.array(columns, mx.int32)
+            write_index = mx.broadcast_to(
+                column[:, None, None, None], (self.slots, self.kv_heads, 1, self.head_dim)
+            )
+            # A ring column i holds a valid key once i <= position (it fills from 0 and
+            # then keeps the last `window` positions); a full-attention column the same.
+            mask = mx.arange(span)[None, :] <= positions[:, None]
+            layouts[window] = StepLayout(write_index, mask[:, None, None, :], span)
+        return positions, layouts
+
+    def update(self, layer: int, layout: StepLayout, keys: mx.array, values: mx.array):
+        """Write one layer's new keys/values (slots, kv_heads, 1, head_dim) and return
+        the keys/values to attend to."""
+        self.keys[layer] = mx.put_along_axis(self.keys[layer], layout.write_index, keys, axis=2)
+        self.values[layer] = mx.put_along_axis(
+            self.values[layer], layout.write_index, values, axis=2
+        )
+        span = layout.span
+        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+
+    def advance(self) -> None:
+        self.lengths = [n + 1 for n in self.lengths]
+
+
+def _in_store_order(cache, window: int | None) -> tuple[mx.array, mx.array]:
+    """One row's keys/values as the store keeps them: position p in column p, or in a
+    window's ring, position p in column p % window."""
+    length = cache.offset
+    if window is None:
+        return cache.keys[..., :length, :], cache.values[..., :length, :]
+    keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    held = min(length, window)
+    keys, values = keys[..., -held:, :], values[..., -held:, :]
+    first = length - held  # position of the oldest key held
+    shift = first % window
+    if shift:  # ring order: position p at column p % window
+        keys = mx.concatenate([keys[..., window - shift:, :], keys[..., : window - shift, :]], axis=2)
+        values = mx.concatenate(
+            [values[..., window - shift:, :], values[..., : window - shift, :]], axis=2
+        )
+    return keys, values
