@@ -161,9 +161,8 @@ def test_tool_use_streamed_and_not(arch, text, end, start_server, monkeypatch):
     assert "".join(d.partial_json for d in deltas if d.type == "input_json_delta") == json.dumps(call.input)
 
     # tool_choice: "any" and a named tool keep the tool; "none" hides it (plain text, no parse).
-    # Where they are enforced by a grammar (hermes), the reply must be the call alone.
-    if "<tool_call>" in text:
-        steer_to(monkeypatch, _answer_ids(server, text[text.index("<tool_call>"):], end))
+    # "any" and a named tool are enforced by a grammar: the reply must be the call alone.
+    steer_to(monkeypatch, _answer_ids(server, text[text.index("```" if arch == "gemma3" else "<tool_call>"):], end))
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}):
         assert client.messages.create(model=model, messages=ASK, tools=[TOOL], tool_choice=choice,
                                       max_tokens=200).stop_reason == "tool_use"

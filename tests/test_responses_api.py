@@ -134,10 +134,8 @@ def test_function_tools_streamed_and_not(arch, text, end, serve, monkeypatch):
     assert json.loads(call.arguments) == {"city": "Paris", "days": 3}
     assert r.tools[0].name == "get_weather"
 
-    # The SDK's own stream helper checks the event sequence and rebuilds the response. (A named
-    # function is enforced for hermes, where the steered text's prose would break the grammar.)
-    named = {"tool_choice": {"type": "function", "name": "get_weather"}} if arch == "gemma3" else {}
-    with client.responses.stream(**ask, **named) as stream:
+    # The SDK's own stream helper checks the event sequence and rebuilds the response.
+    with client.responses.stream(**ask) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
@@ -159,6 +157,15 @@ def test_function_tools_streamed_and_not(arch, text, end, serve, monkeypatch):
     # tool_choice "none": the same text is plain output.
     plain = client.responses.create(**ask, tool_choice="none")
     assert [item.type for item in plain.output] == ["message"] and "get_weather" in plain.output_text
+
+    # "required" and a named function are enforced by a grammar: the reply is the call alone
+    # (steered to the call without its prose, which the grammar would refuse).
+    call_text = text[text.index("```" if arch == "gemma3" else "<tool_call>"):]
+    steer_to(monkeypatch, tokenizer.encode(call_text, add_special_tokens=False))
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        forced = client.responses.create(**ask, tool_choice=choice)
+        assert [item.type for item in forced.output] == ["function_call"]
+        assert json.loads(forced.output[0].arguments) == {"city": "Paris", "days": 3}
 
 
 def test_thinking_is_a_reasoning_item(serve, monkeypatch):

@@ -1,6 +1,7 @@
-"""tool_choice "required" and a named function, enforced by a grammar for the JSON-shaped
-tool-call formats: a random-weight model, which unconstrained never writes a call, then
-always answers with one valid call."""
+"""tool_choice "required" and a named function, enforced by a grammar in every tool-call
+format: a random-weight model, which unconstrained never writes a call, then always answers
+with one valid call (over HTTP with the openai client; the grammars alone are tried in
+test_tool_grammar.py)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def check_arguments(name: str, arguments: str) -> None:
 
 def ask(server, model: str, tool_choice, seed: int, allowed: set[str]) -> None:
     client = server.client()
-    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
+    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=200,
                   temperature=1.0, seed=seed)
     r = client.chat.completions.create(**kwargs)
     choice = r.choices[0]
@@ -112,13 +113,53 @@ def test_response_format_with_enforced_tool_choice_is_refused(qwen):
     assert info.value.status_code == 400 and info.value.body["param"] == "tool_choice"
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+# The fixture each format is served from, and the --tool-call-parser it needs where the
+# fixture's template does not name the format (Mistral Small 3.1's, GLM-4.1V's and
+# Kimi-VL's templates have no tool calls).
+SERVED = {
+    "mistral": ("mistral3", "mistral"),
+    "gemma4": ("gemma4", None),
+    "function_gemma": ("gemma3", "function_gemma"),
+    "gemma3": ("gemma3", None),
+    "glm4": ("glm4v", "glm4"),
+    "kimi_k2": ("kimi_vl", "kimi_k2"),
+}
+
+
+@pytest.fixture(scope="module")
+def served(start_server):
+    """One server per format, started on first use."""
+    servers = {}
+
+    def get(fmt: str):
+        if fmt not in servers:
+            arch, parser = SERVED[fmt]
+            servers[fmt] = start_server(arch, **({"tool_call_parser": parser} if parser else {}))
+            assert servers[fmt].app.state.vlm.tool_parser.name == fmt
+        return servers[fmt]
+
+    return get
+
+
+@pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
-def test_mistral_format_is_enforced(start_server, seed, tool_choice):
-    server = start_server("mistral3", tool_call_parser="mistral")
+@pytest.mark.parametrize("fmt", list(SERVED))
+def test_every_format_is_enforced(served, fmt, tool_choice, seed):
     allowed = {"get_weather", "get_time"} if tool_choice == "required" else {"get_time"}
-    ask(server, "tiny-mistral3", tool_choice, seed, allowed)
+    ask(served(fmt), f"tiny-{SERVED[fmt][0]}", tool_choice, seed, allowed)
+
+
+def test_required_without_a_known_format_is_refused(start_server):
+    server = start_server("kimi_vl")  # its template takes tools but names no call format
+    assert server.app.state.vlm.tool_parser is None
+    client = server.client()
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny-kimi_vl", messages=MESSAGES, tools=TOOLS, tool_choice=choice)
+        assert info.value.body["param"] == "tool_choice" and "--tool-call-parser" in info.value.body["message"]
+    auto = client.chat.completions.create(model="tiny-kimi_vl", messages=MESSAGES, tools=TOOLS, max_tokens=3)
+    assert auto.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(
@@ -156,9 +197,9 @@ def test_grammar_takes_the_markers_special_token_and_ends_after_the_call(model_p
         tok.encode(wrong, add_special_tokens=False))
 
 
-def test_only_json_formats_are_enforced():
+def test_every_parsed_format_is_enforced_and_auto_is_not():
     named = {"type": "function", "function": {"name": "f"}}
-    for fmt in ("hermes", "mistral", "llama3_json"):
-        assert enforces(fmt, "required") and enforces(fmt, named) and not enforces(fmt, "auto")
-    for fmt in ("gemma4", "function_gemma", "gemma3", "glm4", "kimi_k2", None):
-        assert not enforces(fmt, "required") and not enforces(fmt, named)
+    for fmt in ("hermes", "mistral", "llama3_json", "gemma4", "function_gemma", "gemma3", "glm4", "kimi_k2"):
+        assert enforces(fmt, "required") and enforces(fmt, named)
+        assert not enforces(fmt, "auto") and not enforces(fmt, "none")
+    assert not enforces(None, "required")

@@ -7,11 +7,12 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..engine.memory import KVBudgetExceeded
 from ..engine.types import GenerationEvent, PreparedRequest
 from ..preprocess.prompt import PromptError, chat_images, check_prompt_size, prepare_chat
 from ..preprocess.tool_prompt import text_of
 from ..tools.grammar import enforces, tool_call_grammar
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .choices import UsageTally, fan_out, merged, run_all, start_all
 from .generation import deliver, start, stream_sse
 from .output import OutputProcessor, merge_deltas
@@ -26,9 +27,9 @@ async def chat_completions(request: Request) -> Response:
     chat = parse_chat_request(body, state.loaded.vocab_size, state.loaded.sampling_defaults)
     state.check_model(chat.model)
     completion_id = new_id("chatcmpl")
-    # n choices: n copies of the prepared prompt, each its own row of the batch.
+    # n choices: n copies of the prepared prompt, prefilled once, each its own row.
     choices = fan_out([await prepare_chat_request(state, chat, completion_id)], chat.n, completion_id)
-    streams = start_all(state, choices)
+    streams = start_all(state, choices, chat.n)
     outputs = [state.output_processor(chat) for _ in choices]
     tally = UsageTally(choices, chat.n)
     stream = _stream(state, merged(streams), outputs, tally, completion_id, chat) if chat.stream else None
@@ -62,14 +63,35 @@ async def prepare_chat_request(state: AppState, chat: ChatRequest, request_id: s
         chat.active_tools, chat.chat_template_kwargs, images, text_bytes=text_bytes,
     )
     state.apply_limits(prepared, chat.max_tokens)
+    check_kv_memory(state, prepared, chat.max_tokens is not None, "messages")
     return prepared
 
 
+def check_kv_memory(state: AppState, prepared: PreparedRequest, explicit_max_tokens: bool,
+                    prompt_param: str) -> None:
+    """Refuse (400, before it is queued) a request whose KV could never fit the server's
+    memory limit, however long it waited. A max_tokens the client did not set is the
+    server's default: it is lowered to what fits instead."""
+    budget = state.engine.memory
+    if not explicit_max_tokens:
+        fits = budget.fits_tokens(prepared)
+        if 1 <= fits < prepared.sampling.max_tokens:
+            prepared.sampling.max_tokens = fits
+    try:
+        budget.check(prepared, prompt_param)
+    except KVBudgetExceeded as exc:
+        raise APIError(400, exc.message, param=exc.param, code="kv_cache_memory_exceeded") from exc
+
+
 def enforce_tool_choice(state: AppState, chat: ChatRequest) -> None:
-    """``tool_choice`` "required" or a named function becomes a grammar (one call of an
-    allowed tool) where the model's tool-call format is JSON-shaped."""
+    """``tool_choice`` "required" or a named function becomes a grammar: one call of an
+    allowed tool in the model's tool-call format."""
     fmt = getattr(state.tool_parser, "name", None)
     if not enforces(fmt, chat.tool_choice):
+        if fmt is None and (chat.tool_choice == "required" or isinstance(chat.tool_choice, dict)):
+            raise bad_request("tool_choice 'required' or a named function needs a tool-call format, and none is "
+                              "known for this model's chat template (start the server with --tool-call-parser)",
+                              "tool_choice")
         return
     if chat.sampling.grammar is not None:
         raise bad_request("'response_format' cannot be combined with tool_choice 'required' or a named "
