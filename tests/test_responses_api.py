@@ -185,6 +185,108 @@ def test_thinking_is_a_reasoning_item(serve, monkeypatch):
         final = stream.get_final_response()
     assert "response.reasoning_text.delta" in types and "response.reasoning_text.done" in types
     assert final.output_text == "Hello there!" and final.output[0].content[0].text == reasoning.content[0].text
+    # Logprobs are the message's tokens only, not the thinking's or its markers'.
+    with_logprobs = server.client().responses.create(**ask, include=["message.output_text.logprobs"])
+    assert "".join(lp.token for lp in with_logprobs.output[1].content[0].logprobs) == "Hello there!"
+
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def test_logprobs_on_output_text_match_chat_streamed_and_not(serve):
+    client = serve().client()
+    ask = dict(model="tiny-gemma3", input="Tell me a story", max_output_tokens=8, temperature=0)
+    r = client.responses.create(**ask, include=LOGPROBS, top_logprobs=3)
+    assert r.top_logprobs == 3
+    [part] = r.output[0].content
+    chat = client.chat.completions.create(model="tiny-gemma3", messages=[{"role": "user", "content": "Tell me a story"}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    assert part.text == chat.choices[0].message.content
+    # Every generated token's text is message text here: the same entries as chat's.
+    assert [lp.model_dump() for lp in part.logprobs] == [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert len(part.logprobs) == r.usage.output_tokens
+    for lp in part.logprobs:
+        assert len(lp.top_logprobs) == 3 and lp.bytes == list(lp.token.encode())
+        assert lp.logprob == lp.top_logprobs[0].logprob  # greedy: the chosen token is the likeliest
+
+    events = list(client.responses.create(**ask, include=LOGPROBS, top_logprobs=3, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp for e in deltas for lp in e.logprobs]
+    expected = [{"token": lp.token, "logprob": lp.logprob,
+                 "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top_logprobs]}
+                for lp in part.logprobs]
+    assert [lp.model_dump() for lp in streamed] == expected
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == expected
+    final_part = events[-1].response.output[0].content[0]
+    assert final_part.logprobs == part.logprobs
+
+    # include alone: the chosen tokens without alternatives.
+    plain = client.responses.create(**ask, include=LOGPROBS)
+    assert len(plain.output[0].content[0].logprobs) == len(part.logprobs)
+    assert all(lp.top_logprobs == [] for lp in plain.output[0].content[0].logprobs)
+    # top_logprobs without include returns none (as OpenAI does).
+    none = client.responses.create(**ask, top_logprobs=5)
+    assert none.output[0].content[0].logprobs == []
+    assert all(e.logprobs == [] for e in client.responses.create(**ask, top_logprobs=5, stream=True)
+               if e.type == "response.output_text.delta")
+
+
+def test_logprobs_go_with_the_message_text_not_the_call(serve, monkeypatch):
+    server = serve()
+    tokenizer = server.engine.loaded.tokenizer
+    text = 'Let me check.\n```tool_code\nget_weather(city="Paris", days=3)\n```'
+    steer_to(monkeypatch, tokenizer.encode(text, add_special_tokens=False)
+             + [tokenizer.convert_tokens_to_ids("<end_of_turn>")])
+    ask = dict(model="tiny-gemma3", input="Weather in Paris?", tools=[WEATHER], max_output_tokens=100,
+               include=LOGPROBS, top_logprobs=2)
+    r = serve().client().responses.create(**ask)
+    message, call = r.output
+    assert call.type == "function_call" and message.content[0].text == "Let me check."
+    assert "".join(lp.token for lp in message.content[0].logprobs) == "Let me check."
+    events = list(serve().client().responses.create(**ask, stream=True))
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert "".join(streamed) == "Let me check."
+
+
+def test_pending_logprobs_follow_the_text_that_comes_out():
+    from vlm_serve.api.openai_responses import PendingLogprobs
+
+    pending = PendingLogprobs()
+    for text, name in [("Hi", "a"), ("", "b1"), ("é", "b2"), (" <marker>", "c"), (" there.\n", "d")]:
+        pending.add(text, [{"token": name}])
+    # The partial character's token goes with the character; a dropped marker's is dropped;
+    # a token whose text comes out in two pieces is given with the first.
+    assert [e["token"] for e in pending.take("Hié")] == ["a", "b1", "b2"]
+    assert [e["token"] for e in pending.take(" there")] == ["d"]
+    assert pending.take(".") == []  # the rest of "d": already given
+    pending.clear()
+    assert pending.take("x") == []
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"include": "message.output_text.logprobs"}, "include", "invalid_type"),
+    ({"include": [LOGPROBS[0], 3]}, "include", "invalid_type"),
+    ({"include": [LOGPROBS[0], "message.output_text.tokens"]}, "include[1]", "invalid_value"),
+    ({"include": LOGPROBS, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+    ({"top_logprobs": -1}, "top_logprobs", "integer_below_min_value"),
+    ({"include": LOGPROBS, "top_logprobs": "3"}, "top_logprobs", "invalid_type"),
+    ({"include": LOGPROBS, "top_logprobs": True}, "top_logprobs", "invalid_type"),
+    ({"include": LOGPROBS, "top_logprobs": 2.5}, "top_logprobs", "invalid_type"),
+])
+def test_bad_logprobs_requests_are_openai_errors(serve, body, param, code):
+    with pytest.raises(openai.BadRequestError) as info:
+        serve().client().responses.create(model="tiny-gemma3", input="hi", extra_body=body)
+    error = info.value.body
+    assert info.value.status_code == 400
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
+    assert error["message"]
+
+
+def test_other_includables_are_accepted(serve):
+    r = serve().client().responses.create(model="tiny-gemma3", input="hi", max_output_tokens=2,
+                                          include=["reasoning.encrypted_content", "message.input_image.image_url"])
+    assert r.output[0].content[0].logprobs == []
 
 
 def test_json_schema_text_format(serve):

@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response
 from ..engine.types import FinishReason, GenerationEvent
 from .chat import start_chat
 from .errors import APIError, bad_request
-from .generation import deliver, run_to_end, stream_sse
-from .output import OutputProcessor
+from .generation import deliver, error_of, stream_sse
+from .responses import logprob_content
 from .schemas import parse_chat_request
 from .state import AppState, read_json
 
@@ -33,6 +33,12 @@ _RENAMED = {"model": "model", "stream": "stream", "temperature": "temperature", 
 _EXTENSIONS = ("top_k", "min_p", "seed", "stop", "repetition_penalty", "presence_penalty",
                "frequency_penalty", "chat_template_kwargs")
 _STATEFUL = ("previous_response_id", "conversation")
+# What OpenAI's ``include`` takes. Only the logprobs change anything here; the others name
+# outputs this server never makes (agents send reasoning.encrypted_content with store off).
+_LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+               "message.input_image.image_url", "computer_call_output.output.image_url",
+               "code_interpreter_call.outputs", "reasoning.encrypted_content", _LOGPROBS)
 
 
 def _id(prefix: str) -> str:
@@ -72,7 +78,35 @@ def chat_body(body: Any) -> tuple[dict, list[tuple[str, bool]]]:
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         out["response_format"] = response_format
+    out.update(_logprobs(body))
     return out, origins
+
+
+def _logprobs(body: dict) -> dict:
+    """``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` -> chat's
+    ``logprobs`` / ``top_logprobs``. As OpenAI does, ``top_logprobs`` alone returns none."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise bad_request("Invalid type for 'include': expected an array of strings.", "include", "invalid_type")
+    for i, value in enumerate(include):
+        if value not in _INCLUDABLE:
+            supported = ", ".join(f"'{v}'" for v in _INCLUDABLE)
+            raise bad_request(f"Invalid value: '{value}'. Supported values are: {supported}.", f"include[{i}]")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not isinstance(top, int) or isinstance(top, bool):
+            raise bad_request("Invalid type for 'top_logprobs': expected an integer.", "top_logprobs", "invalid_type")
+        if top < 0:
+            raise bad_request(f"Invalid 'top_logprobs': integer below minimum value. Expected a value >= 0, but "
+                              f"got {top} instead.", "top_logprobs", "integer_below_min_value")
+        if top > 20:
+            raise bad_request(f"Invalid 'top_logprobs': integer above maximum value. Expected a value <= 20, but "
+                              f"got {top} instead.", "top_logprobs", "integer_above_max_value")
+    if _LOGPROBS not in include:
+        return {}
+    return {"logprobs": True, "top_logprobs": top or 0}
 
 
 def _input_messages(items: Any, messages: list[dict], origins: list) -> None:
@@ -237,15 +271,20 @@ def _param(param: str | None, origins: list[tuple[str, bool]]) -> str | None:
 class ResponseWriter:
     """Builds one response from the chat path's message deltas: its output items, in the
     order the model produced them, and the typed SSE events that announce them. The
-    non-streamed response is built the same way (its events unused), so both agree."""
+    non-streamed response is built the same way (its events unused), so both agree.
+
+    Token logprobs (chat's ``logprobs.content`` entries) go with the message text their
+    tokens produced (OpenAI gives logprobs on ``output_text`` parts only): see
+    :class:`PendingLogprobs`."""
 
     _TEXT = {"message": ("output_text", "response.output_text"),
              "reasoning": ("reasoning_text", "response.reasoning_text")}
 
-    def __init__(self, response: dict):
+    def __init__(self, response: dict, logprobs: bool = False):
         self.response = response
         self.seq = 0
         self.open: dict | None = None  # the item receiving deltas; items never interleave
+        self._logprobs = PendingLogprobs() if logprobs else None
 
     def event(self, kind: str, **fields) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -257,14 +296,24 @@ class ResponseWriter:
         return [self.event("response.created", response=self.response),
                 self.event("response.in_progress", response=self.response)]
 
-    def feed(self, deltas: list[dict]) -> list[bytes]:
+    def feed(self, deltas: list[dict], text: str = "", logprobs: list[dict] = ()) -> list[bytes]:
+        """The events for ``deltas``, made of a generation event's ``text`` (whose tokens'
+        entries are ``logprobs``) and of text held back before it."""
+        pending = self._logprobs
+        if pending is not None:
+            pending.add(text, logprobs)
         out = []
         for delta in deltas:
             if delta.get("reasoning_content"):
+                if pending is not None:
+                    pending.take(delta["reasoning_content"])  # thinking's tokens: not the message's
                 out += self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                out += self._text("message", delta["content"])
+                entries = pending.take(delta["content"]) if pending is not None else []
+                out += self._text("message", delta["content"], entries)
             for call in delta.get("tool_calls", []):
+                if pending is not None:
+                    pending.clear()  # the call's tokens
                 out += self._call(call)
         return out
 
@@ -309,12 +358,16 @@ class ResponseWriter:
         item["content"].append(part)
         return out + [self.event("response.content_part.added", **self._where(), content_index=0, part=part)]
 
-    def _text(self, kind: str, text: str) -> list[bytes]:
+    def _text(self, kind: str, text: str, logprobs: list[dict] = ()) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != kind:
             out += self._close("completed") + self._open_text(kind)
-        self.open["content"][0]["text"] += text
-        extra = {"logprobs": []} if kind == "message" else {}
+        part = self.open["content"][0]
+        part["text"] += text
+        extra = {}
+        if kind == "message":
+            part["logprobs"] += logprobs
+            extra["logprobs"] = _event_logprobs(logprobs)
         return out + [self.event(f"{self._TEXT[kind][1]}.delta", **self._where(), content_index=0,
                                  delta=text, **extra)]
 
@@ -340,7 +393,7 @@ class ResponseWriter:
                                   name=item["name"], arguments=item["arguments"]))
         else:
             part = item["content"][0]
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra = {"logprobs": _event_logprobs(part["logprobs"])} if item["type"] == "message" else {}
             out.append(self.event(f"{self._TEXT[item['type']][1]}.done", **self._where(), content_index=0,
                                   text=part["text"], **extra))
             out.append(self.event("response.content_part.done", **self._where(), content_index=0, part=part))
@@ -348,6 +401,58 @@ class ResponseWriter:
         out.append(self.event("response.output_item.done", output_index=self._where()["output_index"], item=item))
         self.open = None
         return out
+
+
+class PendingLogprobs:
+    """Token logprobs waiting for the message text their tokens produced.
+
+    The output processor gives text out in order, but may hold some back (a possible tool
+    call) and drops what became a call, thinking, or a marker. Each generation event's text
+    is queued with its tokens' entries; text that comes out is matched against the queue,
+    and queued text that it skips was dropped, with its entries."""
+
+    def __init__(self):
+        self._queue: list[list] = []  # [text not yet accounted for, entries not yet given]
+
+    def add(self, text: str, entries: list[dict]) -> None:
+        if text or entries:
+            self._queue.append([text, list(entries)])
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    def take(self, text: str) -> list[dict]:
+        """The entries of the tokens that produced ``text``."""
+        out: list[dict] = []
+        while text and self._queue:
+            head = self._queue[0]
+            queued, entries = head
+            if not queued:  # part of a character: its text came with a later token
+                out += entries
+                self._queue.pop(0)
+                continue
+            # Where ``text`` starts in this event's text (an event's text may begin with
+            # something dropped, such as a marker or the whitespace before a call).
+            at = next((k for k in range(len(queued)) if text.startswith(queued[k:]) or queued.startswith(text, k)),
+                      None)
+            if at is None:  # this event's text was dropped
+                self._queue.pop(0)
+                continue
+            out += entries
+            rest = queued[at:]
+            if text.startswith(rest):
+                text = text[len(rest):]
+                self._queue.pop(0)
+            else:  # the event's text goes on past ``text``
+                head[0], head[1], text = rest[len(text):], [], ""
+        return out
+
+
+def _event_logprobs(entries: list[dict]) -> list[dict]:
+    """Logprobs in the text events' shape: no ``bytes`` (the output_text part has them)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
 
 
 # ---- the route ------------------------------------------------------------------------
@@ -374,23 +479,32 @@ async def responses(request: Request) -> Response:
         "temperature": chat.sampling.temperature, "top_p": chat.sampling.top_p,
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [], "text": body.get("text") or {"format": {"type": "text"}},
-        "usage": None,
-    })
-    stream = _stream(state, events, output, writer) if chat.stream else None
-    return await deliver(state, request, response_id, stream, lambda: _respond(events, output, writer))
+        "top_logprobs": body.get("top_logprobs"), "usage": None,
+    }, logprobs=chat.sampling.logprobs)
+
+    def chunks_for(event: GenerationEvent) -> list[bytes]:
+        deltas = output.feed(event.text) + (output.finish() if event.finished else [])
+        entries = logprob_content(event.logprobs, state.token_text) if event.logprobs else []
+        return writer.feed(deltas, event.text, entries)
+
+    stream = _stream(state, events, chunks_for, writer) if chat.stream else None
+    return await deliver(state, request, response_id, stream, lambda: _respond(events, chunks_for, writer))
 
 
-async def _respond(events, output: OutputProcessor, writer: ResponseWriter) -> JSONResponse:
-    done = await run_to_end(events)
-    writer.feed(output.feed(done.text) + output.finish())
-    writer.finish(done.final)
+async def _respond(events, chunks_for, writer: ResponseWriter) -> JSONResponse:
+    """Built event by event as a stream is, so each token's logprobs meet its text."""
+    final = None
+    async for event in events:
+        error = error_of(event)
+        if error is not None:
+            raise error
+        chunks_for(event)
+        final = event
+    writer.finish(final)
     return JSONResponse(writer.response)
 
 
-def _stream(state: AppState, events, output: OutputProcessor, writer: ResponseWriter):
-    def chunks_for(event: GenerationEvent) -> list[bytes]:
-        return writer.feed(output.feed(event.text) + (output.finish() if event.finished else []))
-
+def _stream(state: AppState, events, chunks_for, writer: ResponseWriter):
     async def body():
         for chunk in writer.start():
             yield chunk
