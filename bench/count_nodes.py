@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_vlm import load
 from mlx_vlm.models import cache as vlm_cache
 
-from step_breakdown import build_engine_batch  # noqa: E402 - run from bench/ or with it on the path
+from step_breakdown import build_engine_batch, id_limit  # noqa: E402 - run from bench/ or with it on the path
 
 
 def count(*outputs) -> collections.Counter:
@@ -36,7 +36,7 @@ def count(*outputs) -> collections.Counter:
 def plain_step_nodes(model, batch: int, context: int) -> collections.Counter:
     lm = model.language_model
     cache = vlm_cache.make_prompt_cache(lm)
-    mx.eval(lm.model(mx.random.randint(10, 1000, (batch, context)), cache=cache))
+    mx.eval(lm.model(mx.random.randint(10, id_limit(model), (batch, context)), cache=cache))
     mx.eval([c.state for c in cache])
     kwargs = {}
     if hasattr(lm, "get_rope_index"):  # mRoPE: text positions on all three axes

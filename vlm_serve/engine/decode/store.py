@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 COLUMN_STEP = 256  # columns are added in steps of this many (as mlx-lm's caches do)
+# Steps attend to a prefix of the columns, rounded up to this many: shapes stay the same
+# for a while (reused kernels and graphs) without reading much past the longest row.
+SPAN_STEP = 32
 _SLOT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -173,10 +176,10 @@ class SlotStore:
         for window in self.kinds:
             if window:
                 columns = [p % window for p in self.lengths] + padding
-                span = min(window, -(-longest // COLUMN_STEP) * COLUMN_STEP)
+                span = min(window, -(-longest // SPAN_STEP) * SPAN_STEP)
             else:
                 columns = self.lengths + padding
-                span = -(-longest // COLUMN_STEP) * COLUMN_STEP
+                span = -(-longest // SPAN_STEP) * SPAN_STEP
             column = mx.array(columns, mx.int32)
             write_index = mx.broadcast_to(
                 column[:, None, None, None], (self.slots, self.kv_heads, 1, self.head_dim)

@@ -1,0 +1,120 @@
+"""One decode step, three ways: mlx-vlm's plain forward (all rows the same length, the
+model's own caches), the engine's batch through the model code on mlx-lm's batch caches,
+and the engine's batch through the family's own decode step. Rows are ragged text rows
+of about ``--context`` tokens; times are per step, greedy, no scheduler.
+
+    python bench/decode_step.py --model DIR --batch-sizes 1,8,32,64 --context 320
+    python bench/decode_step.py --model DIR --check 8   # greedy tokens: batch vs one at a time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm import load
+
+sys.path.insert(0, os.path.dirname(__file__))
+from step_breakdown import build_engine_batch, id_limit, plain_step, time_steps  # noqa: E402
+
+from vlm_serve.engine.batch import JoiningRow  # noqa: E402
+from vlm_serve.engine.families import family_for  # noqa: E402
+from vlm_serve.engine.sampling import BatchSampler  # noqa: E402
+from vlm_serve.engine.prefill import Prefill  # noqa: E402
+from vlm_serve.engine.types import PreparedRequest, SamplingParams  # noqa: E402
+
+
+def engine_step(model, batch: int, context: int, steps: int, use_decoder: bool) -> float | None:
+    engine_batch = build_engine_batch(
+        model, batch, context, steps + 8, ragged=True, use_decoder=use_decoder
+    )
+    if use_decoder and engine_batch.store is None:
+        return None
+
+    def step():
+        return engine_batch.step().tokens
+
+    return time_steps(step, steps)
+
+
+def check(model, rows: int, context: int, steps: int) -> dict:
+    """Greedy tokens of ``rows`` ragged rows decoded together (engine decode step) and
+    each alone on its own cache through the model code: how many rows agree."""
+    lm = model.language_model
+    family = family_for(model)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(10, id_limit(model), context - 13 * i).astype(np.int32) for i in range(rows)]
+    alone = []
+    for i, ids in enumerate(prompts):
+        prefill = Prefill(model, family, PreparedRequest(f"a{i}", ids, SamplingParams()), 4096)
+        while not prefill.done:
+            prefill.step()
+        token = mx.argmax(prefill.logits, axis=-1)
+        out = [token.item()]
+        for _ in range(steps - 1):
+            kwargs = family.decode_kwargs(prefill.cache, [prefill.row_state])
+            logits = lm(token[:, None], cache=prefill.cache, **kwargs).logits[:, -1, :]
+            token = mx.argmax(logits, axis=-1)
+            out.append(token.item())
+        alone.append(out)
+    engine_batch = build_engine_batch(model, 0, context, steps, ragged=True, use_decoder=True)
+    vocab = engine_batch.vocab_size
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_tokens=steps, temperature=0.0)
+        prefill = Prefill(model, engine_batch.family, PreparedRequest(f"b{i}", ids, params), 4096)
+        while not prefill.done:
+            prefill.step()
+        sampler = BatchSampler(vocab)
+        sampler.add(params, [])
+        first = sampler.sample(prefill.logits).tokens
+        engine_batch.add([JoiningRow(prefill.cache, sampler, first, prefill.row_state)])
+    together = [[t] for t in engine_batch.next_tokens.tolist()]
+    for _ in range(steps - 1):
+        for row, t in zip(together, engine_batch.step().tokens.tolist()):
+            row.append(t)
+    agree = [a == b for a, b in zip(alone, together)]
+    return {
+        "rows": rows, "steps": steps, "rows_equal": sum(agree),
+        "decode_path": "engine" if engine_batch.store is not None else "model code",
+        "first_difference": [
+            next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            for a, b in zip(alone, together)
+        ],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=320)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--check", type=int, default=0, help="rows to check instead of timing")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    model, _ = load(args.model)
+    if args.check:
+        result = check(model, args.check, args.context, args.steps)
+    else:
+        result = {"device": str(mx.default_device()), "context": args.context, "steps": {}}
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            row = {
+                "plain_ms": plain_step(model, b, args.context, args.steps),
+                "model_code_ms": engine_step(model, b, args.context, args.steps, False),
+                "engine_ms": engine_step(model, b, args.context, args.steps, True),
+            }
+            row = {k: round(v, 3) if v is not None else None for k, v in row.items()}
+            result["steps"][b] = row
+            print(b, row, flush=True)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
