@@ -4,8 +4,11 @@ chat path as ``/v1/chat/completions``, in Anthropic's shapes, events and errors.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import json
+import threading
+import time
 
 import anthropic
 import httpx
@@ -219,7 +222,6 @@ def test_gemma4_thinking_block(start_server, monkeypatch):
     ({"max_tokens": 5, "stop_sequences": "x", "messages": [{"role": "user", "content": "x"}]}, "stop_sequences"),
     ({"max_tokens": 5, "tool_choice": {"type": "tool", "name": "nope"}, "tools": [TOOL],
       "messages": [{"role": "user", "content": "x"}]}, "nope"),
-    ({"max_tokens": 5, "model": "other-model", "messages": [{"role": "user", "content": "x"}]}, "other-model"),
 ])
 def test_invalid_requests_get_anthropic_errors(server, body, needle):
     with pytest.raises(anthropic.BadRequestError) as info:
@@ -270,3 +272,100 @@ def test_api_key_as_x_api_key_or_bearer(start_server):
     r = httpx.post(server.base_url + "/v1/chat/completions", json=ask, headers={"x-api-key": "sekrit"}, timeout=30)
     assert r.status_code == 200
     assert httpx.get(server.base_url + "/v1/models").json()["error"]["code"] == "invalid_api_key"
+
+
+def _wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def anthropic_error(info) -> tuple[int, str]:
+    err = info.value
+    assert err.body["type"] == "error" and set(err.body["error"]) == {"type", "message"} and err.body["error"]["message"]
+    return err.status_code, err.body["error"]["type"]
+
+
+def test_full_queue_is_529_overloaded(start_server):
+    """A full queue is OpenAI's 503 + Retry-After on the chat route and Anthropic's 529
+    overloaded_error (with Retry-After) here, streamed or not; nothing is mocked: the
+    server's own queue is filled."""
+    server = start_server("gemma3", max_num_seqs=1, max_queue_size=1)
+    long = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 400, "ignore_eos": True}
+    client = client_of(server)
+    ask = dict(model="tiny-gemma3", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(httpx.post, server.base_url + "/v1/chat/completions", json=long, timeout=120)
+                   for _ in range(2)]
+        _wait_until(lambda: server.engine.in_flight == 2)
+        with pytest.raises(anthropic.OverloadedError) as info:
+            client.messages.create(**ask)
+        assert anthropic_error(info) == (529, "overloaded_error")
+        assert info.value.response.headers["retry-after"] == "1"
+        with pytest.raises(anthropic.OverloadedError):
+            client.messages.create(**ask, stream=True)
+        with pytest.raises(anthropic.OverloadedError):
+            with client.messages.stream(**ask) as stream:
+                list(stream)
+        # The OpenAI route keeps OpenAI's 503 at the same moment.
+        chat = httpx.post(server.base_url + "/v1/chat/completions", json=long, timeout=30)
+        assert chat.status_code == 503 and chat.json()["error"]["code"] == "server_busy"
+        assert all(f.result().status_code == 200 for f in running)
+    assert client.messages.create(**ask).type == "message"  # and it serves again
+    # Shutting down (after SIGTERM, see test_lifecycle.py) refuses new requests the same way.
+    server.engine.draining = True
+    try:
+        with pytest.raises(anthropic.OverloadedError) as info:
+            client.messages.create(**ask)
+        assert anthropic_error(info) == (529, "overloaded_error")
+    finally:
+        server.engine.draining = False
+
+
+def test_error_statuses_and_types_are_anthropics(start_server):
+    server = start_server("gemma3", max_request_bytes=4096)
+    client = client_of(server)
+    ask = dict(model="tiny-gemma3", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    # 404: a model not served here, a route not served here.
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.messages.create(**{**ask, "model": "claude-opus-9"})
+    assert anthropic_error(info) == (404, "not_found_error") and "claude-opus-9" in info.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.messages.count_tokens(model="tiny-gemma3", messages=ask["messages"])
+    assert anthropic_error(info) == (404, "not_found_error")
+    # 413: a body over --max-request-bytes.
+    with pytest.raises(anthropic.ContentTooLargeError) as info:
+        client.messages.create(**{**ask, "messages": [{"role": "user", "content": "x" * 5000}]})
+    assert anthropic_error(info) == (413, "request_too_large")
+    # 500: generation fails; streamed, an `error` event the SDK raises from.
+    fired = threading.Event()
+
+    def fault(phase, states):
+        if phase == "decode" and not fired.is_set():
+            fired.set()
+            raise RuntimeError("injected fault")
+
+    server.scheduler.fault_hook = fault
+    try:
+        with pytest.raises(anthropic.InternalServerError) as info:
+            client.messages.create(**ask)
+        assert anthropic_error(info) == (500, "api_error") and "injected fault" in info.value.body["error"]["message"]
+        fired.clear()
+        with pytest.raises(anthropic.APIStatusError) as info:
+            list(client.messages.create(**ask, stream=True))
+        assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "api_error"
+        assert "injected fault" in info.value.body["error"]["message"]
+    finally:
+        server.scheduler.fault_hook = None
+    # OpenAI's routes keep OpenAI's envelope.
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**ask, "model": "claude-opus-9"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_request_timeout_is_504_timeout_error(start_server):
+    server = start_server("gemma3", request_timeout_s=0.3)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        client_of(server).messages.create(model="tiny-gemma3", max_tokens=3000, extra_body={"temperature": 0},
+                                          messages=[{"role": "user", "content": "Tell me"}])
+    assert anthropic_error(info) == (504, "timeout_error")

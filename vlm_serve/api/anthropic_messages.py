@@ -25,18 +25,31 @@ from .state import AppState, read_json
 
 MESSAGES_PATH = "/v1/messages"
 
+# Anthropic's error type for each status (other 4xx: invalid_request_error, other 5xx: api_error).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", 529: "overloaded_error"}
+                500: "api_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether errors on ``path`` take Anthropic's shape (its sub-paths too, e.g. an
+    unserved /v1/messages/count_tokens)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def _status(exc: APIError) -> int:
+    # A full queue or a server shutting down is OpenAI's 503; Anthropic says 529 "overloaded".
+    return 529 if exc.status == 503 else exc.status
 
 
 def error_body(exc: APIError) -> dict:
-    kind = _ERROR_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    status = _status(exc)
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+    return JSONResponse(error_body(exc), status_code=_status(exc), headers=exc.headers)
 
 
 def event(name: str, body: dict) -> bytes:
@@ -300,7 +313,11 @@ async def messages(request: Request) -> Response:
     state: AppState = request.app.state.vlm
     body = await read_json(request, state.config.max_request_bytes)
     chat = parse_chat_request(chat_body(body), state.loaded.vocab_size, state.loaded.sampling_defaults)
-    state.check_model(chat.model)
+    try:
+        state.check_model(chat.model)
+    except APIError as exc:
+        exc.status = 404  # Anthropic answers a model it does not serve with not_found_error
+        raise
     message_id = f"msg_{secrets.token_hex(12)}"
     prepared, events, output = await start_chat(state, chat, message_id)
     head = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_id}

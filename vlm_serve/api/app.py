@@ -17,7 +17,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import ServerConfig
 from ..engine.engine import Engine, request_record
-from .anthropic_messages import MESSAGES_PATH, error_response as anthropic_error, messages as anthropic_messages
+from .anthropic_messages import MESSAGES_PATH, error_response as anthropic_error, is_messages_path
+from .anthropic_messages import messages as anthropic_messages
 from .chat import chat_completions
 from .completions import completions
 from .metrics import metrics_endpoint
@@ -60,7 +61,7 @@ async def model(request: Request) -> JSONResponse:
 
 def _error_response(path: str, exc: APIError) -> JSONResponse:
     """Anthropic's error shape on its Messages route, OpenAI's everywhere else."""
-    return anthropic_error(exc) if path == MESSAGES_PATH else exc.response()
+    return anthropic_error(exc) if is_messages_path(path) else exc.response()
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -117,12 +118,12 @@ class GuardMiddleware:
             if b"content-length" in names and b"transfer-encoding" in names:
                 error = APIError(400, "both Content-Length and Transfer-Encoding are set",
                                  code="invalid_framing", headers={"Connection": "close"})
-                await error.response()(scope, receive, send)
+                await _error_response(scope["path"], error)(scope, receive, send)
                 return
             if self.engine.draining:
                 error = APIError(503, "the server is shutting down", code="shutting_down",
                                  headers={"Connection": "close"})
-                await error.response()(scope, receive, send)
+                await _error_response(scope["path"], error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
