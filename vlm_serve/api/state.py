@@ -12,6 +12,7 @@ from starlette.requests import Request
 from ..config import ServerConfig
 from ..engine.engine import Engine, EngineBusy, RequestStream
 from ..engine.types import PreparedRequest
+from ..preprocess.image_cache import ImageCache
 from ..preprocess.media import MediaError, MediaPolicy, PixelBudget
 from ..preprocess.prompt import PromptContext, PromptError
 from ..preprocess.tool_prompt import template_handles_tools
@@ -53,6 +54,7 @@ class AppState:
             max_prompt_tokens=self.max_model_len,
             trust_request_template=config.trust_request_chat_template,
             max_pixels_per_request=config.max_pixels_per_request,
+            image_cache=ImageCache(config.image_cache_size, int(config.image_cache_gb * 2**30)),
         )
         self.started = int(time.time())
         fmt = config.tool_call_parser or detect_parser(self.loaded.chat_template, self.loaded.model_type)

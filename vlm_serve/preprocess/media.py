@@ -30,6 +30,7 @@ import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlm_serve.preprocess import url_safety
+from vlm_serve.preprocess.image_cache import ImageCache, image_bytes, key_of, source_key, tag
 
 # Register every Pillow plugin now, at import, not lazily inside a worker thread;
 # Image.open(formats=...) also raises KeyError for a format not yet registered.
@@ -87,19 +88,53 @@ class PixelBudget:
 
 def load_image(
     url: str, policy: MediaPolicy, param: str | None = None, budget: PixelBudget | None = None,
-    detail: str | None = None,
+    detail: str | None = None, cache: ImageCache | None = None,
 ) -> Image.Image:
     """Fetch and decode one image into a loaded RGB PIL image (first frame, EXIF-upright),
-    within the resolution bounds of `fit_resolution`.
+    within the resolution bounds of `fit_resolution`, tagged with its source key (see
+    image_cache). With a cache, an image sent before is not decoded again: a data URL
+    is looked up by its text before any base64 decoding, other URLs by their bytes.
 
     `param` names the request field (e.g. "messages[1].content[2].image_url") and is
     attached to any MediaError raised.
     """
     try:
-        return fit_resolution(decode_image(read_image_bytes(url, policy), policy, budget), policy, detail)
+        key = _data_url_key(url, policy, detail)
+        if key is not None and (hit := _cached(cache, key, budget)) is not None:
+            return hit
+        data = read_image_bytes(url, policy)
+        if key is None:
+            key = source_key("bytes", data, fit_settings(policy, detail))
+            if (hit := _cached(cache, key, budget)) is not None:
+                return hit
+        decoded = decode_image(data, policy, budget)
+        image = tag(fit_resolution(decoded, policy, detail), key)
+        if cache is not None:
+            cache.put(key, (image, decoded.size), image_bytes(image))
+        return image
     except MediaError as exc:
         exc.param = exc.param or param
         raise
+
+
+def _data_url_key(url: str, policy: MediaPolicy, detail: str | None) -> str | None:
+    """A data URL's source key, from its text as sent (hashing it costs a fraction of
+    decoding its base64); None for other URLs, whose bytes are the key."""
+    if not isinstance(url, str) or not url[:16].lstrip().lower().startswith("data:"):
+        return None
+    return source_key("data-url", url.encode("utf-8", "surrogatepass"), fit_settings(policy, detail))
+
+
+def _cached(cache: ImageCache | None, key: str, budget: PixelBudget | None) -> Image.Image | None:
+    """A loaded image from the cache; it still spends the request's pixel budget (the
+    other limits it passed when it was first loaded, under the same policy)."""
+    entry = cache.get(key) if cache is not None else None
+    if entry is None:
+        return None
+    image, decoded_size = entry
+    if budget is not None:
+        budget.spend(*decoded_size)
+    return image
 
 
 # image_url.detail "low": the image is shrunk to fit this square (OpenAI's low detail is
@@ -119,6 +154,12 @@ def fit_resolution(image: Image.Image, policy: MediaPolicy, detail: str | None =
         size = (math.ceil(width * scale), math.ceil(height * scale))
         image = image.resize(size, Image.Resampling.BICUBIC)
     return image
+
+
+def fit_settings(policy: MediaPolicy, detail: str | None) -> str:
+    """What decides the output of `fit_resolution` besides the image (for cache keys)."""
+    low = f"low{LOW_DETAIL_SIZE}" if detail == "low" else "as-sent"
+    return f"detail={low}:min_pixels={policy.min_image_pixels}"
 
 
 def read_image_bytes(url: str, policy: MediaPolicy) -> bytes:
@@ -176,8 +217,15 @@ def decode_image(data: bytes, policy: MediaPolicy, budget: PixelBudget | None = 
         raise MediaError("could not decode image: the data is corrupt or truncated") from None
 
 
+def cache_digest(image: Image.Image) -> str:
+    """An image's digest for the prefix and vision caches: its source key when it was
+    loaded from a request (see image_cache; no pass over its pixels), else a hash of
+    its pixels. Equal digests mean equal pixels either way."""
+    return key_of(image) or image_digest(image)
+
+
 def image_digest(image: Image.Image) -> str:
-    """A stable content hash of decoded pixels, for cache keys."""
+    """A stable content hash of decoded pixels."""
     digest = hashlib.sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
     digest.update(image.tobytes())
     return digest.hexdigest()
@@ -197,6 +245,11 @@ def _decode_data_url(url: str, policy: MediaPolicy) -> bytes:
             "data URLs must be base64-encoded (data:image/png;base64,...)",
             code="invalid_image_url",
         )
+    if len(payload) * 3 // 4 <= policy.max_image_bytes:
+        # Canonical base64, as clients send it, decodes without the clean-up passes
+        # below (they cost as much as the decoding itself on a large image).
+        with contextlib.suppress(binascii.Error, ValueError):
+            return binascii.a2b_base64(payload, strict_mode=True)
     if "%" in payload:  # never in base64: the client percent-encoded the URL
         payload = urllib.parse.unquote(payload)
     # Tolerate line breaks, missing padding and the URL-safe alphabet.

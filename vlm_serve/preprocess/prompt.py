@@ -17,7 +17,8 @@ from mlx_vlm.utils import should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
 from .chat_format import ChatFormat, processor_template
-from .media import MediaError, MediaPolicy, PixelBudget, image_digest, load_image
+from .image_cache import CachingProcessor, ImageCache
+from .media import MediaError, MediaPolicy, PixelBudget, cache_digest, load_image
 from .tool_prompt import inline_tools, template_handles_tools, text_of
 
 
@@ -40,8 +41,13 @@ class PromptContext:
     max_prompt_tokens: int | None = None  # the context: longer prompts are refused
     trust_request_template: bool = False  # clients may send their own chat template
     max_pixels_per_request: int | None = None
+    # Loaded and processed images of recent requests (None: every image is processed).
+    image_cache: ImageCache | None = None
     chat_format: ChatFormat = field(init=False)
     longest_token_bytes: int = field(init=False)
+    # The processor that request images go through: the model's own, or a copy whose
+    # image processor answers from image_cache.
+    request_processor: object = field(init=False)
 
     def __post_init__(self):
         if self.model_type in SINGLE_IMAGE_ONLY_MODELS:
@@ -52,6 +58,7 @@ class PromptContext:
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.chat_format = ChatFormat.detect(tokenizer, self.chat_template, self.model_type)
         self.longest_token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
+        self.request_processor = CachingProcessor.wrap(self.processor, self.image_cache) or self.processor
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -155,7 +162,7 @@ def tokenize(
         tokenizer = getattr(processor, "tokenizer", processor)
         ids = tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
         return np.asarray(ids, dtype=np.int32).reshape(-1), {}
-    inputs = _process(processor, prompt, images, add_special)
+    inputs = _process(ctx.request_processor, prompt, images, add_special)
     if "images" in inputs:
         inputs["pixel_values"] = inputs.pop("images")
     ids = _to_numpy(inputs.pop("input_ids")).astype(np.int32).reshape(-1)
@@ -199,7 +206,7 @@ def chat_images(ctx: PromptContext, messages: list[dict]) -> list[tuple[str, str
 
 def load_chat_image(ctx: PromptContext, ref: tuple[str, str, str | None], budget: PixelBudget | None):
     url, param, detail = ref
-    return load_image(url, ctx.media, param=param, budget=budget, detail=detail)
+    return load_image(url, ctx.media, param=param, budget=budget, detail=detail, cache=ctx.image_cache)
 
 
 def prepare_chat(
@@ -258,5 +265,5 @@ def prepare_prompt(
         sampling=sampling,
         model_inputs=model_inputs,
         num_images=len(images),
-        image_digests=tuple(image_digest(im) for im in images),
+        image_digests=tuple(cache_digest(im) for im in images),
     )

@@ -1,0 +1,189 @@
+"""Images already loaded and processed, so a resent image skips the work.
+
+Chat clients resend the whole conversation every turn, base64 image included. Each
+image gets a *source key*: a digest of what the client sent (a data URL's text, or the
+fetched bytes) plus the settings that change what the processor sees (``detail``,
+``--min-image-pixels``). The same key always means the same pixels, and another image
+always means another key, so it doubles as the image's digest for the prefix and
+vision caches (no second hash of the pixels). Two kinds of entries share one
+least-recently-used budget of entries and bytes:
+
+- an image's source key -> the decoded, resized RGB image the processor is given;
+- the keys of a processor call's images, in order -> the image processor's output for
+  them, served to the model's own processor through a proxy (``CachingProcessor``),
+  so its text handling (placeholder expansion, tokenizing) runs as always.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+
+import numpy as np
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+# The source key rides on the PIL image object itself: an attribute (unlike
+# ``image.info``) is not copied onto images derived from it by convert/resize/copy.
+_KEY_ATTR = "_vlm_serve_source_key"
+
+
+def source_key(kind: str, source: bytes, settings: str) -> str:
+    """The key of an image from its source (``kind`` names what ``source`` is, so a
+    data URL's text and fetched bytes never compare equal) and the ``settings`` that
+    shape the image the processor gets from it."""
+    return f"{kind}:{hashlib.sha256(source).hexdigest()}:{settings}"
+
+
+def tag(image: Image.Image, key: str) -> Image.Image:
+    setattr(image, _KEY_ATTR, key)
+    return image
+
+
+def key_of(image) -> str | None:
+    """The source key of an image loaded from a request, or None (an image made
+    in-process, e.g. by a test or the warm-up)."""
+    return getattr(image, _KEY_ATTR, None)
+
+
+class ImageCache:
+    """A thread-safe LRU of values with a size each, bounded by entries and bytes."""
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[object, tuple[object, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key):
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+
+    def put(self, key, value, nbytes: int) -> None:
+        if self.max_entries <= 0 or nbytes > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._entries[key] = (value, nbytes)
+            self.bytes += nbytes
+            while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+                _, (_, size) = self._entries.popitem(last=False)
+                self.bytes -= size
+
+
+def image_bytes(image: Image.Image) -> int:
+    return image.width * image.height * len(image.getbands())
+
+
+class CachingImageProcessor:
+    """Stands in for a processor's image processor: a call whose images all carry
+    source keys is answered from the cache (computed once, by the real one); anything
+    else, and every other attribute, goes to the real one."""
+
+    def __init__(self, image_processor, cache: ImageCache):
+        self._real = image_processor
+        self._cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def __call__(self, images, *args, **kwargs):
+        keys = [key_of(im) for im in _flatten(images)]
+        if not keys or None in keys:
+            return self._real(images, *args, **kwargs)
+        # Arguments are part of the key; one whose repr is not stable (an object's
+        # address) only makes the entry unreachable, never wrong.
+        key = ("processed", _nesting(images), tuple(keys), repr(args), repr(sorted(kwargs.items())))
+        cached = self._cache.get(key)
+        if cached is None:
+            output = self._real(images, *args, **kwargs)
+            size = _frozen_size(output)
+            if size is None:  # holds something we cannot safely share (e.g. MLX arrays)
+                return output
+            self._cache.put(key, output, size)
+            cached = output
+        return _fresh(cached)
+
+
+class CachingProcessor:
+    """A shallow copy of the model's processor whose image processor is cached, used
+    only for the processor calls of requests (the model's own object is left as is).
+    ``None`` where the processor has no separate image processor to cache."""
+
+    @staticmethod
+    def wrap(processor, cache: ImageCache | None):
+        real = getattr(processor, "image_processor", None)
+        if cache is None or cache.max_entries <= 0 or not callable(real):
+            return None
+        try:
+            clone = copy.copy(processor)
+            clone.image_processor = CachingImageProcessor(real, cache)
+        except Exception as exc:  # a processor that refuses copies: no processed cache
+            log.info("processed images are not cached for %s: %s", type(processor).__name__, exc)
+            return None
+        return clone
+
+
+def _flatten(images) -> list:
+    if isinstance(images, (list, tuple)):
+        return [im for item in images for im in _flatten(item)]
+    return [images]
+
+
+def _nesting(images):
+    """The list structure of ``images`` (batched differs from flat for some processors)."""
+    if isinstance(images, (list, tuple)):
+        return tuple(_nesting(item) for item in images)
+    return None
+
+
+def _frozen_size(value) -> int | None:
+    """Bytes of the numpy arrays in an output, each made read-only so no caller can
+    change a cached entry in place; None if it holds anything but plain data."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return None
+        value.flags.writeable = False
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        sizes = [_frozen_size(v) for v in value]
+        return None if None in sizes else sum(sizes)
+    if hasattr(value, "keys") and hasattr(value, "items"):  # dict, BatchFeature
+        sizes = [_frozen_size(v) for v in value.values()]
+        return None if None in sizes else sum(sizes)
+    if value is None or isinstance(value, (bool, int, float, str, np.generic)):
+        return 0
+    return None
+
+
+def _fresh(value):
+    """A copy of a cached output that a caller may pop from or add to (processors do:
+    Gemma 3's pops ``num_crops``); containers are copied, arrays shared read-only."""
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if hasattr(value, "keys") and hasattr(value, "items"):
+        out = copy.copy(value)  # BatchFeature (a UserDict) copies its dict; a dict copies
+        for k, v in out.items():
+            out[k] = _fresh(v)
+        return out
+    return value
