@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: off); image placeholders are keyed by the images' digests")
     g.add_argument("--prefix-cache-gb", type=float, default=d.prefix_cache_gb,
                    help="memory cap of the prefix cache")
+    g.add_argument("--kv-cache-memory", type=_memory_size, default=None, metavar="SIZE",
+                   help="KV cache memory for running requests, prefills and cached prefixes "
+                        "together: bytes with a unit (8GiB, 512MiB) or a fraction of the "
+                        "device's memory (0.5); a request waits until it fits, one that never "
+                        "can gets 400; default: 0.8 of the device's memory less the weights")
     g.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
                    help="seconds after which a request is stopped with a timeout error")
     g = p.add_argument_group("requests and media")
@@ -136,6 +141,17 @@ class _ListAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         current = getattr(namespace, self.dest)
         setattr(namespace, self.dest, (list(current) if current is not self.default else []) + values)
+
+
+def _memory_size(text: str) -> str:
+    """Checked here so a bad size fails at startup; resolved once the model is loaded."""
+    from .engine.memory import parse_memory
+
+    try:
+        parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
 
 
 def _comma_list(text: str) -> list[str]:

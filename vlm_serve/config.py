@@ -31,6 +31,9 @@ class ServerConfig:
     image_cache_gb: float = 1.0  # ... and memory
     prefix_cache_size: int = 16
     prefix_cache_gb: float = 2.0
+    # KV memory of running rows, prefills and cached prefixes: "8GiB", "512MiB", or a
+    # fraction of the device's memory ("0.5"); None: 0.8 of it less the weights.
+    kv_cache_memory: str | None = None
     request_timeout_s: float | None = None
     cpu_workers: int = 4
 

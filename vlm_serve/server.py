@@ -86,6 +86,7 @@ def build_engine(config: ServerConfig) -> Engine:
             prefill_token_budget=config.prefill_token_budget or default_prefill_budget(),
             prefix_cache_entries=config.prefix_cache_size,
             prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)),
+            kv_cache_memory=config.kv_cache_memory,
         ),
         max_queue=config.max_queue_size,
         vision_cache_size=config.vision_cache_size,

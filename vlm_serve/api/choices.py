@@ -1,16 +1,21 @@
 """Several choices in one response (``n``, several completion prompts).
 
-Each choice is its own request in the engine, a row of the batch that shares nothing
-with the others; their events are merged into one stream, told apart by request id.
+Each choice is its own request in the engine and its own row of the batch. The n
+copies of one prompt are submitted together, so the prompt is prefilled once and each
+copy starts from that prefill with its own seed. Their events are merged into one
+stream, told apart by request id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from typing import AsyncIterator
 
+from ..engine.engine import EngineBusy
 from ..engine.types import GenerationEvent, PreparedRequest
+from .errors import APIError
 from .generation import Finished, run_to_end, start
 from .state import AppState
 
@@ -30,17 +35,30 @@ def fan_out(prompts: list[PreparedRequest], n: int, request_id: str) -> list[Pre
     return out
 
 
-def start_all(state: AppState, choices: list[PreparedRequest]) -> list[AsyncIterator[GenerationEvent]]:
-    """Submit every choice; if the engine refuses one (at capacity), none stays."""
+def start_all(state: AppState, choices: list[PreparedRequest], n: int = 1) -> list[AsyncIterator[GenerationEvent]]:
+    """Submit every choice, the ``n`` copies of each prompt together (one prefill); if
+    the engine refuses some (at capacity), none stays."""
+    if len(choices) == 1:
+        return [start(state, choices[0])]
     streams = []
     try:
-        for prepared in choices:
-            streams.append(start(state, prepared))
+        for i in range(0, len(choices), n):
+            streams += _start_copies(state, choices[i:i + n])
     except BaseException:
         for prepared in choices[: len(streams)]:
             state.engine.cancel(prepared.request_id)
         raise
     return streams
+
+
+def _start_copies(state: AppState, copies: list[PreparedRequest]) -> list[AsyncIterator[GenerationEvent]]:
+    arrived = time.monotonic()
+    try:
+        streams = state.engine.submit_copies(copies)
+    except EngineBusy as exc:  # as AppState.submit answers for one request
+        raise APIError(503, "the server is at capacity; retry shortly", code="server_busy",
+                       headers={"Retry-After": "1"}) from exc
+    return [state.metrics.observe(s, arrived) for s in streams]
 
 
 async def run_all(streams: list[AsyncIterator[GenerationEvent]]) -> list[Finished]:

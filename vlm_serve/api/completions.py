@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..engine.types import GenerationEvent, PreparedRequest, SamplingParams, TokenLogprob
 from ..preprocess.prompt import prepare_prompt
+from .chat import check_kv_memory
 from .choices import UsageTally, fan_out, merged, run_all, start_all
 from .errors import bad_request
 from .generation import deliver, stream_sse
@@ -88,6 +89,7 @@ async def _prepare(state: AppState, prompt: Prompt, request_id: str, sampling: S
             text_bytes=len(prompt.text.encode()),
         )
     state.apply_limits(prepared, max_tokens if max_tokens is not None else 16)
+    check_kv_memory(state, prepared, max_tokens is not None, "prompt")
     return prepared
 
 
@@ -120,7 +122,7 @@ async def completions(request: Request) -> Response:
     if echo:
         texts = [p.text if p.text is not None else state.loaded.tokenizer.decode(p.ids) for p in prompts]
         echoes = [texts[i // n] for i in range(len(choices))]
-    streams = start_all(state, choices)
+    streams = start_all(state, choices, n)
     tally = UsageTally(choices, n)
     stream = None
     if body.get("stream") is True:

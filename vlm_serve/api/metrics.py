@@ -1,8 +1,8 @@
 """Prometheus metrics under vLLM's names, so dashboards and alerts made for vLLM work.
 
 Every series carries a ``model_name`` label, as vLLM's do. What vLLM has no name for
-keeps a ``vlm_`` name: requests by outcome (rejections included), the KV cache's bytes,
-vision-cache hits. No ``_created`` series (prometheus_client's per-series creation
+keeps a ``vlm_`` name: requests by outcome (rejections included), KV memory in bytes
+and its limit, the prefix cache's size and evictions, vision-cache hits, prefills. No ``_created`` series (prometheus_client's per-series creation
 timestamps double the scrape and nothing reads them).
 
 Each app has its own registry, so several servers can live in one process (tests).
@@ -96,12 +96,34 @@ class _EngineCollector:
 
     def collect(self):
         s = self.stats()
+        limit = s.get("kv_memory_limit", 0)
+        s["kv_memory_usage"] = s.get("kv_memory_used", 0) / limit if limit else 0.0
         for kind, name, doc, key in (
             (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the decode batch", "running"),
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting or in prefill", "waiting"),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV memory in use as a fraction of its "
+             "limit (1 means full)", "kv_memory_usage"),
             (GaugeMetricFamily, "vlm_kv_cache_bytes", "Bytes held by the batch KV cache", "kv_cache_bytes"),
+            (GaugeMetricFamily, "vlm_kv_memory_used_bytes", "KV bytes held now: the batch, prompts "
+             "in prefill and cached prefixes", "kv_memory_used"),
+            (GaugeMetricFamily, "vlm_kv_memory_reserved_bytes", "KV bytes the admitted requests may "
+             "come to hold, cached prefixes included", "kv_memory_reserved"),
+            (GaugeMetricFamily, "vlm_kv_memory_limit_bytes", "The KV memory limit "
+             "(--kv-cache-memory)", "kv_memory_limit"),
+            (CounterMetricFamily, "vlm_kv_memory_waits", "Requests that waited in the queue for KV "
+             "memory", "kv_memory_waits"),
+            (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the "
+             "prefix cache", "prefix_cache_queried_tokens"),
             (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens whose KV came from the "
              "prefix cache", "prefix_cache_hit_tokens"),
+            (GaugeMetricFamily, "vlm_prefix_cache_bytes", "KV bytes held by cached prefixes",
+             "prefix_cache_bytes"),
+            (GaugeMetricFamily, "vlm_prefix_cache_entries", "Prompts whose KV the prefix cache "
+             "holds", "prefix_cache_entries"),
+            (CounterMetricFamily, "vlm_prefix_cache_evictions", "Cached prefixes evicted to make "
+             "room", "prefix_cache_evictions"),
+            (CounterMetricFamily, "vlm_prefills", "Prompts prefilled (the n copies of one "
+             "prompt count once)", "prefills"),
             (CounterMetricFamily, "vlm_vision_cache_hits", "Requests whose image features came "
              "from the vision cache", "vision_cache_hits"),
         ):

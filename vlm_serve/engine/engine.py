@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 from . import loader
 from .families import family_for
+from .memory import KVBudget
 from .scheduler import Abort, Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
 from .types import FinishReason, GenerationEvent, PreparedRequest
 from .warmup import warm_up
@@ -122,25 +123,42 @@ class Engine:
     def in_flight(self) -> int:
         return len(self._queues)
 
+    @property
+    def memory(self) -> KVBudget:
+        """The KV memory limit and what requests need under it (read-only after load)."""
+        return self.scheduler.memory
+
     def submit(self, request: PreparedRequest) -> "RequestStream":
+        return self.submit_copies([request])[0]
+
+    def submit_copies(self, requests: list[PreparedRequest]) -> list["RequestStream"]:
+        """Submit copies of one prompt (the n choices of a request; they differ only in
+        id and seed): the prompt is prefilled once for all of them. Raises EngineBusy
+        when the queue cannot take them all, KVBudgetExceeded when one copy could never
+        fit the KV memory limit."""
         limit = self.scheduler_config.max_num_seqs + self.max_queue
-        if self.in_flight >= limit:
+        if self.in_flight + len(requests) > limit:
             raise EngineBusy(f"{self.in_flight} requests in flight")
+        self.memory.check(requests[0])
         self._loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
         record = request_record.get()
         if record is not None:
-            record.update(request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
-        if self._aborted is not None:
-            # Shutting down: end it at once, the way the requests in flight ended.
-            q.put_nowait(GenerationEvent(
-                request.request_id, finish_reason=FinishReason.CANCELLED, error=self._aborted,
-                prompt_tokens=request.num_prompt_tokens,
-            ))
-            return RequestStream(self, request.request_id, q, record)
-        self._queues[request.request_id] = q
-        self.scheduler.inbox.put(Submit(request))
-        return RequestStream(self, request.request_id, q, record)
+            record.update(request_id=requests[0].request_id, prompt_tokens=requests[0].num_prompt_tokens)
+        streams = []
+        for request in requests:
+            q: asyncio.Queue = asyncio.Queue()
+            if self._aborted is not None:
+                # Shutting down: end it at once, the way the requests in flight ended.
+                q.put_nowait(GenerationEvent(
+                    request.request_id, finish_reason=FinishReason.CANCELLED, error=self._aborted,
+                    prompt_tokens=request.num_prompt_tokens,
+                ))
+            else:
+                self._queues[request.request_id] = q
+            streams.append(RequestStream(self, request.request_id, q, record))
+        if self._aborted is None:
+            self.scheduler.inbox.put(Submit(requests[0], list(requests[1:])))
+        return streams
 
     def cancel(self, request_id: str) -> None:
         if request_id in self._queues:

@@ -6,6 +6,12 @@ prompt never stalls running streams for long), lets finished prefills join the b
 queues one batched decode step and reads back the previous one. Every request ends with
 exactly one final event: a finish, a cancellation, or an error. A failure inside a step
 fails the requests that step touched and leaves a clean batch behind.
+
+Admission also keeps KV memory under its limit (see ``memory``): a request waits, first
+come first served, until what it may come to hold fits beside what the admitted ones
+may, cached prefixes being evicted first. The n copies of one prompt (a request's n
+choices) are submitted together: the prompt is prefilled once and each copy samples
+its own first token from those logits and joins the batch as a row of its own.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import logging
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import mlx.core as mx
@@ -23,6 +29,7 @@ from .batch import Batch, JoiningRow
 from .detokenize import TextAssembler
 from .families import Family
 from .grammar import GrammarCompiler, allowed_tokens
+from .memory import Demand, Held, KVBudget, KVLayout, cache_bytes, format_bytes, resolve_limit
 from .prefill import Prefill
 from .prefix_cache import PrefixCache
 from .sampling import BatchSampler, top_logprobs
@@ -36,6 +43,9 @@ Publish = Callable[[list[GenerationEvent]], None]
 @dataclass
 class Submit:
     request: PreparedRequest
+    # More copies of the same prompt (the other choices of a request with n > 1): they
+    # share the request's prefill.
+    copies: list[PreparedRequest] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +76,9 @@ class RequestState:
     done: bool = False
     reused_tokens: int = 0  # prompt tokens served from the prefix cache
     matcher: object | None = None  # llguidance matcher of a constrained request
+    # Copies of this prompt that join the batch from this state's prefill (n > 1).
+    copies: list["RequestState"] = field(default_factory=list)
+    waited_for_memory: bool = False
 
     @property
     def id(self) -> str:
@@ -91,6 +104,10 @@ class SchedulerConfig:
     # token for new requests, less means smoother streams for running ones.
     prefill_token_budget: int = 2048
     stats_interval_s: float = 10.0
+    # KV memory of running rows, prefills and cached prefixes: bytes with a unit
+    # ("8GiB") or a fraction of the device's memory ("0.5"); None: the default (see
+    # memory.resolve_limit).
+    kv_cache_memory: str | None = None
 
 
 class Scheduler:
@@ -119,9 +136,10 @@ class Scheduler:
         self.batch = Batch(model, family, vocab_size)
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.prefix_cache = (
-            PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
+            PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, self._prefix_room)
             if config.prefix_cache_entries > 0 and family.prefix_cache else None
         )
+        self.memory = self._budget(model, family, config)
         self._outbox: list[GenerationEvent] = []
         self._inflight: Step | None = None
         self._joining: list[Step] = []  # rows whose first token is not read back yet
@@ -131,20 +149,104 @@ class Scheduler:
         # requests that phase is about to touch.
         self.fault_hook: Callable[[str, list[RequestState]], None] | None = None
         self._stats = {"generated": 0, "since": time.monotonic()}
-        self.kv_cache_bytes = 0
+        self.waiting_rows = 0  # requests waiting or in prefill (copies included)
+        self.kv_cache_bytes = 0  # held by the batch
+        self.kv_memory_used = 0  # held by the batch, prefills and cached prefixes
+        self.kv_memory_reserved = 0  # what admitted requests may come to hold, and the prefixes
+        self.kv_memory_peak = 0  # most kv_memory_used seen at the end of a turn
         self.peak_running = 0  # most rows ever decoded together
+        self.prefills = 0  # prompts prefilled (n copies of one prompt count once)
+        self.memory_waits = 0  # requests that waited for KV memory to be admitted
+
+    def _budget(self, model, family: Family, config: SchedulerConfig) -> KVBudget:
+        layout = KVLayout.probe(model.language_model)
+        limit, how = resolve_limit(config.kv_cache_memory, model)
+        try:  # whether text prompts prefill in chunks (bounds a sliding window's growth)
+            text_chunks = bool(family.can_chunk_prefill(mx.array([[0]], mx.int32), None, [], {}))
+        except Exception:  # noqa: BLE001 - unknown: assume whole-prompt prefill (larger)
+            text_chunks = False
+        windowed = any(layer.window for layer in layout.layers)
+        budget = KVBudget(layout, limit, config.prefill_step_size, text_chunks,
+                          short_copies=self.prefix_cache is not None and windowed,
+                          slots=_slot_count(self.batch))
+        log.info("KV cache memory limit: %s (%s); %s", format_bytes(limit), how, layout.describe())
+        return budget
 
     def stats(self) -> dict:
         """A snapshot for metrics; safe to read from another thread."""
+        prefixes = self.prefix_cache
         return {
             "running": len(self.running),
-            "waiting": len(self.waiting) + len(self.prefilling),
+            "waiting": self.waiting_rows,
             "kv_cache_bytes": self.kv_cache_bytes,
-            # Running totals for /metrics: prompt tokens whose KV came from the prefix
-            # cache, and image sets whose vision features came from the vision cache.
-            "prefix_cache_hit_tokens": self.prefix_cache.reused_tokens if self.prefix_cache else 0,
+            "kv_memory_used": self.kv_memory_used,
+            "kv_memory_reserved": self.kv_memory_reserved,
+            "kv_memory_peak": self.kv_memory_peak,
+            "kv_memory_limit": self.memory.limit,
+            "kv_memory_waits": self.memory_waits,
+            "prefills": self.prefills,
+            # Running totals for /metrics: prompt tokens looked up in the prefix cache
+            # and those whose KV came from it, and image sets whose vision features came
+            # from the vision cache.
+            "prefix_cache_queried_tokens": prefixes.queried_tokens if prefixes else 0,
+            "prefix_cache_hit_tokens": prefixes.reused_tokens if prefixes else 0,
+            "prefix_cache_bytes": prefixes.nbytes if prefixes else 0,
+            "prefix_cache_entries": len(prefixes) if prefixes else 0,
+            "prefix_cache_evictions": prefixes.evictions if prefixes else 0,
             "vision_cache_hits": getattr(getattr(self.family, "vision_cache", None), "hits", 0),
         }
+
+    # -- KV memory ----------------------------------------------------------------------
+
+    def _demand(self) -> Demand:
+        """What the admitted requests may come to hold (the prefix cache aside)."""
+        demand = Demand()
+        for state in self.running:
+            self.memory.add(demand, state.request, prefilling=False)
+        for state in self.prefilling:
+            self.memory.add(demand, state.request, rows=1 + len(state.copies))
+        return demand
+
+    def _held(self) -> Held:
+        """What the batch keeps allocated while rows live (a slot store's slots and
+        full-attention columns), beyond what its rows need."""
+        store = getattr(self.batch, "store", None)
+        if store is None or not store.keys:
+            return Held()
+        columns = [k.shape[2] for k, kind in zip(store.keys, store.layer_kinds) if kind.window is None]
+        return Held(store.slots, max(columns, default=0))
+
+    def _reserved(self, demand: Demand) -> int:
+        return self.memory.bytes(demand, self._held())
+
+    def _prefix_room(self) -> int:
+        """What cached prefixes may hold now, beside the admitted requests."""
+        return self.memory.limit - self._reserved(self._demand())
+
+    def _make_room(self, need: int) -> bool:
+        """Whether ``need`` bytes of reservations fit, evicting cached prefixes (least
+        recently stored first) if that is what it takes."""
+        held = self.prefix_cache.nbytes if self.prefix_cache else 0
+        if need + held <= self.memory.limit:
+            return True
+        if need > self.memory.limit:
+            return False
+        self.prefix_cache.evict_to(self.memory.limit - need)
+        return True
+
+    def _account(self) -> None:
+        """Measure what is held now (the caches' own sizes) and what is reserved. Read
+        by other threads through ``stats`` (plain numbers, set here)."""
+        self.waiting_rows = sum(1 + len(s.copies) for s in [*self.waiting, *self.prefilling])
+        prefixes = self.prefix_cache.nbytes if self.prefix_cache else 0
+        prefills = sum(
+            cache_bytes(s.prefill.cache) + cache_bytes(s.prefill.short_cache)
+            for s in self.prefilling if s.prefill is not None
+        )
+        self.kv_cache_bytes = self.batch.nbytes
+        self.kv_memory_used = self.kv_cache_bytes + prefills + prefixes
+        self.kv_memory_reserved = self._reserved(self._demand()) + prefixes
+        self.kv_memory_peak = max(self.kv_memory_peak, self.kv_memory_used)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -185,6 +287,7 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
         if self.running or self._inflight:
             self._decode_step()
+        self._account()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -200,9 +303,16 @@ class Scheduler:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, Submit):
-            req = msg.request
-            state = RequestState(req, TextAssembler(self.detokenizer, req.sampling.stop))
-            self.waiting.append(state)
+            requests = [msg.request, *msg.copies]
+            # Copies share a prefill as far as they can run together: within the batch's
+            # size and the memory limit. A family served one row at a time prefills each.
+            per = 1
+            if self.family.batched and len(requests) > 1:
+                per = self.memory.copies_per_prefill(msg.request, min(len(requests), self.config.max_num_seqs))
+            for i in range(0, len(requests), per):
+                leader, *copies = [self._new_state(r) for r in requests[i:i + per]]
+                leader.copies = copies
+                self.waiting.append(leader)
         elif isinstance(msg, Cancel):
             self._remove(msg.request_id, FinishReason.CANCELLED, None)
         elif isinstance(msg, Shutdown):
@@ -210,13 +320,36 @@ class Scheduler:
         elif isinstance(msg, Abort):
             self._fail_all(msg.error, FinishReason.CANCELLED)
 
+    def _new_state(self, request: PreparedRequest) -> RequestState:
+        return RequestState(request, TextAssembler(self.detokenizer, request.sampling.stop))
+
+    def _states(self) -> list[RequestState]:
+        """Every request not finished yet: waiting, prefilling (copies too), running."""
+        out = []
+        for state in [*self.waiting, *self.prefilling]:
+            out += [state, *state.copies]
+        return out + self.running
+
     def _remove(self, request_id: str, reason: FinishReason, error: str | None) -> None:
         for queue_ in (self.waiting, self.prefilling):
-            for state in list(queue_):
+            for i, state in enumerate(queue_):
                 if state.id == request_id:
-                    queue_.remove(state)
+                    if state.copies:
+                        # Its copies still need the prompt: the next one takes over the
+                        # prefill (and its place in line).
+                        heir = state.copies.pop(0)
+                        heir.prefill, heir.copies = state.prefill, state.copies
+                        state.prefill, state.copies = None, []
+                        queue_[i] = heir
+                    else:
+                        del queue_[i]
                     self._finish(state, reason, error=error)
                     return
+                for copy_ in state.copies:
+                    if copy_.id == request_id:
+                        state.copies.remove(copy_)
+                        self._finish(copy_, reason, error=error)
+                        return
         for state in self.running:
             if state.id == request_id:
                 self._drop([state])
@@ -225,21 +358,40 @@ class Scheduler:
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
-        for state in [*self.waiting, *self.prefilling, *self.running]:
+        for state in self._states():
             deadline = state.request.deadline
             if deadline is not None and now > deadline:
                 self._remove(state.id, FinishReason.TIMEOUT, "request timed out")
 
     def _admit(self) -> None:
+        """Admit waiting requests in order while they fit: in the batch, and in KV
+        memory beside what the admitted ones may come to hold. The first that does not
+        fit waits, and everyone behind it, so a large request is never starved."""
         limit = self.config.max_num_seqs if self.family.batched else 1
-        while self.waiting and len(self.running) + len(self.prefilling) < limit:
-            state = self.waiting.popleft()
+        demand = self._demand()
+        while self.waiting:
+            state = self.waiting[0]
+            rows = 1 + len(state.copies)
+            if demand.rows + rows > limit:
+                return
+            trial = replace(demand)
+            self.memory.add(trial, state.request, rows=rows)
+            if not self._make_room(self._reserved(trial)):
+                if not state.waited_for_memory:
+                    state.waited_for_memory = True
+                    self.memory_waits += 1
+                return
+            self.waiting.popleft()
+            group = [state, *state.copies]
             if state.request.sampling.grammar is not None:
                 try:
-                    state.matcher = self.grammars.matcher(state.request.sampling.grammar)
+                    for member in group:
+                        member.matcher = self.grammars.matcher(member.request.sampling.grammar)
                 except Exception as exc:  # noqa: BLE001 - only this request's grammar is bad
-                    self._finish(state, FinishReason.ERROR, error=f"grammar failed: {exc}")
+                    for member in group:
+                        self._finish(member, FinishReason.ERROR, error=f"grammar failed: {exc}")
                     continue
+            demand = trial
             state.prefill = Prefill(
                 self.model, self.family, state.request, self.config.prefill_step_size,
                 self.prefix_cache,
@@ -251,34 +403,51 @@ class Scheduler:
     def _prefill_step(self) -> int:
         """One prefill chunk of the first request in line; returns its token cost."""
         state = self.prefilling[0]
+        group = [state, *state.copies]
         try:
             if self.fault_hook:
-                self.fault_hook("prefill", [state])
+                self.fault_hook("prefill", group)
             cost = state.prefill.step()
             if not state.prefill.done:
                 return cost
-            self.prefilling.popleft()
-            sampler = BatchSampler(self.vocab_size)
-            sampler.add(state.request.sampling, state.request.input_ids.tolist(), self.eos_token_ids)
-            allowed = allowed_tokens([state.matcher], self.vocab_size)
-            out = sampler.sample(state.prefill.logits, allowed)
-            prefill, state.prefill = state.prefill, None
-            prefill.remember()
-            state.reused_tokens = prefill.reused
-            # The row joins with its first token still lazy; it is read back right after
-            # the next decode step is queued, so the device never idles on the way.
-            row = JoiningRow(prefill.cache, sampler, out.tokens, prefill.row_state)
-            first = Step(out, [state], self._logprob_arrays(out, [state]))
-            self._ready.append(row)
-            self.running.append(state)
-            self._joining.append(first)
-            return cost
-        except Exception as exc:  # noqa: BLE001 - isolate the failure to this request
+            prefill = state.prefill
+            rows, steps = [], []
+            for i, member in enumerate(group):
+                # Each copy samples its own first token (its own seed) from the shared
+                # logits, and joins as a row of its own: the batch copies the prompt's
+                # cache into every row. The row joins with its first token still lazy;
+                # it is read back right after the next decode step is queued, so the
+                # device never idles on the way.
+                sampler = BatchSampler(self.vocab_size)
+                sampler.add(member.request.sampling, member.request.input_ids.tolist(), self.eos_token_ids)
+                out = sampler.sample(prefill.logits, allowed_tokens([member.matcher], self.vocab_size))
+                row_state = prefill.row_state
+                if i > 0 and row_state is not None:
+                    row_state = dict(row_state)  # families update it per row
+                rows.append(JoiningRow(prefill.cache, sampler, out.tokens, row_state))
+                steps.append(Step(out, [member], self._logprob_arrays(out, [member])))
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to this prompt
             log.exception("prefill failed for %s", state.id)
             if self.prefilling and self.prefilling[0] is state:
                 self.prefilling.popleft()
-            self._finish(state, FinishReason.ERROR, error=f"prefill failed: {exc}")
+            for member in group:
+                self._finish(member, FinishReason.ERROR, error=f"prefill failed: {exc}")
             return 1
+        self.prefilling.popleft()
+        state.prefill, state.copies = None, []
+        self.prefills += 1
+        for member in group:
+            member.reused_tokens = prefill.reused
+        self._ready += rows
+        self.running += group
+        self._joining += steps
+        try:
+            # Now that its rows count as running, the prompt's cache is offered to the
+            # prefix cache, within the room the memory budget leaves.
+            prefill.remember()
+        except Exception:  # noqa: BLE001 - a cache that is not kept fails no request
+            log.exception("could not keep the prefix of %s", state.id)
+        return cost
 
     # -- decode -----------------------------------------------------------------------
 
@@ -450,7 +619,7 @@ class Scheduler:
         )
 
     def _fail_all(self, error: str, reason: FinishReason) -> None:
-        for state in [*self.waiting, *self.prefilling, *self.running]:
+        for state in self._states():
             if not state.done:
                 self._finish(state, reason, error=error)
         self.waiting.clear()
@@ -479,8 +648,21 @@ class Scheduler:
             return
         if self.running or self.waiting or self.prefilling or self._stats["generated"]:
             log.info(
-                "engine: running=%d prefilling=%d waiting=%d generation=%.1f tokens/s",
+                "engine: running=%d prefilling=%d waiting=%d generation=%.1f tokens/s "
+                "kv_memory=%s reserved=%s limit=%s prefix_cache=%d entries",
                 len(self.running), len(self.prefilling), len(self.waiting),
-                self._stats["generated"] / elapsed,
+                self._stats["generated"] / elapsed, format_bytes(self.kv_memory_used),
+                format_bytes(self.kv_memory_reserved), format_bytes(self.memory.limit),
+                len(self.prefix_cache) if self.prefix_cache else 0,
             )
         self._stats = {"generated": 0, "since": now}
+
+
+def _slot_count(batch) -> Callable[[int], int]:
+    """How many slots the batch allocates for a number of rows: a slot store rounds up
+    to its buckets; mlx-lm's batch caches hold exactly the rows."""
+    if getattr(batch, "store", None) is None:
+        return lambda rows: rows
+    from .decode import store
+
+    return getattr(store, "slot_bucket", lambda rows: 2 * rows)
