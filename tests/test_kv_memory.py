@@ -1,0 +1,207 @@
+"""The KV memory budget over real HTTP: requests that can never fit are refused with a
+400 naming the limit, requests that do not fit yet wait (cached prefixes are evicted
+first), the queue stays bounded, and under a small budget a burst of mixed requests
+all finish with the tokens they get alone while what is held never passes the limit."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from conftest import data_url, make_image
+from vlm_serve.engine.memory import format_bytes, parse_memory
+from vlm_serve.engine.types import PreparedRequest, SamplingParams
+
+MODEL = "tiny-gemma3"
+
+
+def user(content) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def prompt_tokens(server, messages) -> int:
+    r = httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "messages": messages})
+    return r.json()["count"]
+
+
+def sized(tokens: int, max_tokens: int) -> PreparedRequest:
+    """A stand-in of a prepared text request of this size, for the budget's arithmetic."""
+    return PreparedRequest("probe", np.zeros(tokens, np.int32), SamplingParams(max_tokens=max_tokens))
+
+
+@pytest.fixture(scope="module")
+def small(start_server):
+    return start_server("gemma3", kv_cache_memory="300KiB", max_num_seqs=4, max_queue_size=8)
+
+
+def test_limit_resolved_from_the_flag(small):
+    assert small.engine.memory.limit == parse_memory("300KiB").bytes == 300 * 1024
+    assert metric(small, "vlm_kv_memory_limit_bytes") == 300 * 1024
+
+
+def test_a_request_that_can_never_fit_gets_400_naming_the_limit(small):
+    client = small.client(max_retries=0)
+    waits, prefills = small.scheduler.memory_waits, small.scheduler.prefills
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=user("hello"), max_tokens=2000)
+    error = caught.value.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "kv_cache_memory_exceeded" and error["type"] == "invalid_request_error"
+    assert error["param"] == "max_tokens"
+    assert format_bytes(300 * 1024) in error["message"] and "--kv-cache-memory" in error["message"]
+    # A prompt too large even for one token names the prompt; completions too.
+    long_text = "word " * 1500
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=user(long_text), max_tokens=1)
+    assert caught.value.response.json()["error"]["param"] == "messages"
+    r = httpx.post(small.base_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(small.base_url + "/v1/completions", json={"prompt": long_text, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # Refused before it was queued: nothing waited, nothing was prefilled.
+    assert small.scheduler.memory_waits == waits and small.scheduler.prefills == prefills
+    assert small.engine.in_flight == 0
+
+
+def test_a_default_max_tokens_is_lowered_to_what_fits(small):
+    messages = user("tell me everything")
+    budget = small.engine.memory
+    p = prompt_tokens(small, messages)
+    default = small.config.default_max_tokens
+    assert budget.alone(sized(p, default)) > budget.limit  # the default would never fit
+    r = small.client().chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == budget.fits_tokens(sized(p, default)) < default
+
+
+def test_cached_prefixes_are_evicted_before_a_request_waits(start_server):
+    server = start_server("gemma3", kv_cache_memory="440KiB", max_num_seqs=4)
+    client = server.client()
+    sch = server.scheduler
+    client.chat.completions.create(model=MODEL, messages=user("the first prompt, kept " * 4),
+                                   max_tokens=2, temperature=0)
+    held = sch.stats()
+    assert held["prefix_cache_entries"] == 1 and held["prefix_cache_bytes"] > 0
+    # A request that fits only with the cache emptied: admitted at once, the entry gone.
+    messages = user("another prompt entirely")
+    p = prompt_tokens(server, messages)
+    m = next(m for m in range(1, 4000)
+             if sch.memory.alone(sized(p, m)) + held["prefix_cache_bytes"] > sch.memory.limit)
+    assert sch.memory.alone(sized(p, m)) <= sch.memory.limit
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=m,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == m
+    after = sch.stats()
+    assert after["prefix_cache_evictions"] == held["prefix_cache_evictions"] + 1
+    assert after["kv_memory_waits"] == held["kv_memory_waits"] == 0
+    assert after["kv_memory_peak"] <= sch.memory.limit
+
+
+def test_the_queue_stays_bounded_while_requests_wait_for_memory(small):
+    # Room for one such request at a time; 4 rows + 8 in the queue may be in flight.
+    body = {"messages": user("a long one"), "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    limit = small.config.max_num_seqs + small.config.max_queue_size
+    with concurrent.futures.ThreadPoolExecutor(limit) as pool:
+        futures = [pool.submit(httpx.post, small.base_url + "/v1/chat/completions", json=body, timeout=120)
+                   for _ in range(limit)]
+        deadline = time.monotonic() + 30
+        while small.engine.in_flight < limit and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert small.engine.in_flight == limit
+        assert len(small.scheduler.running) < small.config.max_num_seqs  # memory, not rows, holds them
+        r = httpx.post(small.base_url + "/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "server_busy"
+        results = [f.result() for f in futures]
+    assert all(r.status_code == 200 for r in results)
+    assert len({r.json()["choices"][0]["message"]["content"] for r in results}) == 1
+    assert small.scheduler.kv_memory_peak <= small.engine.memory.limit
+
+
+def _soak_requests() -> list[dict]:
+    """Mixed text and image requests of mixed lengths; every prompt comes back four
+    times (i, i+6, ...), so the prefix cache fills."""
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot"]
+    out = []
+    for i in range(24):
+        text = " ".join(words[: 1 + i % 6]) * (1 + i % 3)
+        content = text
+        if i % 4 == 0:
+            image = make_image(32 + 8 * (i % 3), 32, seed=i % 2)
+            content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        out.append(dict(model=MODEL, messages=user(content), max_tokens=8 + 7 * (i % 5), temperature=0))
+    return out
+
+
+def test_soak_under_a_small_budget(start_server):
+    server = start_server("gemma3", kv_cache_memory="600KiB", max_num_seqs=8, max_queue_size=64,
+                          prefix_cache_size=8)
+    sch, limit = server.scheduler, server.engine.memory.limit
+    client = server.client(max_retries=0)
+    requests = _soak_requests()
+    samples, stop = [], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            s = sch.stats()
+            samples.append((s["kv_memory_used"], s["kv_memory_reserved"], s["running"]))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda r: client.chat.completions.create(**r), requests))
+    finally:
+        stop.set()
+        sampler.join()
+    stats = sch.stats()
+    # The demand was over the budget: requests waited for memory, prefixes were evicted.
+    assert stats["kv_memory_waits"] > 0
+    assert stats["prefix_cache_evictions"] > 0 and metric(server, "vlm_prefix_cache_evictions_total") > 0
+    assert sch.peak_running > 1  # and still batched
+    # What was held never passed the limit, whether sampled from outside or at each turn.
+    assert samples and max(used for used, _, _ in samples) <= limit
+    assert max(reserved for _, reserved, _ in samples) <= limit
+    assert sch.kv_memory_peak <= limit
+    assert 0 <= metric(server, "vllm:kv_cache_usage_perc") <= 1
+    # Nothing lost: every request ends as it does served alone.
+    alone = [client.chat.completions.create(**r) for r in requests]
+    for i, (a, b) in enumerate(zip(together, alone)):
+        assert a.choices[0].message.content == b.choices[0].message.content, i
+        assert a.choices[0].finish_reason == b.choices[0].finish_reason
+    # Idle again: only cached prefixes are held.
+    assert stats["running"] == stats["waiting"] == 0
+    assert stats["kv_memory_used"] == stats["prefix_cache_bytes"] <= limit
+    print(f"soak: peak held {sch.kv_memory_peak} of {limit} bytes, {stats['kv_memory_waits']} waited, "
+          f"{stats['prefix_cache_evictions']} evictions, {sch.peak_running} rows at most")
+
+
+def test_the_flag_and_its_environment_variable():
+    from vlm_serve.cli import parse_config
+
+    assert parse_config(["--kv-cache-memory", "8GiB"]).kv_cache_memory == "8GiB"
+    assert parse_config([], {"VLM_SERVE_KV_CACHE_MEMORY": "0.5"}).kv_cache_memory == "0.5"
+    assert parse_config([]).kv_cache_memory is None
+    for bad in (["--kv-cache-memory", "lots"], ["--kv-cache-memory", "0"]):
+        with pytest.raises(SystemExit):
+            parse_config(bad)
+    with pytest.raises(SystemExit):
+        parse_config([], {"VLM_SERVE_KV_CACHE_MEMORY": "8 parsecs"})
+    assert parse_memory("512MiB").bytes == 512 << 20 and parse_memory("2GB").bytes == 2 * 10**9
+    assert parse_memory("0.25").fraction == 0.25 and parse_memory("4096").bytes == 4096
