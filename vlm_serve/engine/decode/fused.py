@@ -1,4 +1,5 @@
-"""Fusing linear layers that read the same input into one matmul.
+"""Linear layers for the decode step: fused where they read the same input, and called
+without a per-step transpose.
 
 The fused layer holds the concatenated weights (plain or quantized: quantization groups
 run along the input dimension, so output rows concatenate as they are). The original
@@ -17,7 +18,29 @@ import mlx.nn as nn
 _PARAMS = ("weight", "scales", "biases", "bias")
 
 
-def fuse_linears(linears: list[nn.Module]) -> tuple[nn.Module, list[int]]:
+class StepLinear:
+    """``module(x)`` for a decode step. A plain layer's ``x @ W.T`` adds a transpose node
+    to every step's graph; here ``W.T`` is taken once (an evaluated view of the same
+    memory, so the matmul and its result are the same). Quantized layers transpose
+    inside their kernel already and are called as they are."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.weight_t = None
+        if isinstance(module, nn.Linear):
+            self.weight_t = module.weight.T
+            self.bias = module.bias if "bias" in module else None
+            mx.eval(self.weight_t)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.weight_t is None:
+            return self.module(x)
+        if self.bias is not None:
+            return mx.addmm(self.bias, x, self.weight_t)
+        return x @ self.weight_t
+
+
+def fuse_linears(linears: list[nn.Module]) -> tuple[StepLinear, list[int]]:
     """One layer computing ``concat([l(x) for l in linears], -1)``, and the split
     indices that cut its output back into theirs."""
     kinds = {type(layer) for layer in linears}
@@ -38,4 +61,4 @@ def fuse_linears(linears: list[nn.Module]) -> tuple[nn.Module, list[int]]:
         start += n
     mx.eval([layer.parameters() for layer in linears])
     splits = [sum(rows[: i + 1]) for i in range(len(rows) - 1)]
-    return fused, splits
+    return StepLinear(fused), splits

@@ -14,7 +14,8 @@ import mlx.core as mx
 from mlx.nn import gelu_approx
 from mlx_vlm.models.gemma3.language import clip_residual
 
-from .fused import fuse_linears
+from .attention import additive_mask, attend
+from .fused import StepLinear, fuse_linears
 from .store import LayerKind, SlotStore
 
 
@@ -29,6 +30,7 @@ class Gemma3Decoder:
             for i in range(len(text.layers))
         ]
         self.kv_heads = config.num_key_value_heads
+        self.groups = config.num_attention_heads // self.kv_heads  # query heads per kv head
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
         self.embed_scale = mx.array(config.hidden_size**0.5, mx.bfloat16)
@@ -42,13 +44,20 @@ class Gemma3Decoder:
         """Logits (slots, vocab) of one decode step; ``tokens`` is (slots,)."""
         positions, layouts = store.layout()
         text = self.lm.model
-        h = text.embed_tokens(tokens[:, None])
+        # Activations stay (slots, hidden): a 3-D input would cost every matmul a
+        # flatten and an unflatten.
+        h = text.embed_tokens(tokens)
         h = h * self.embed_scale.astype(h.dtype)
+        masks = {
+            kind: additive_mask(layout.mask, self.kv_heads, self.groups, h.dtype)
+            for kind, layout in layouts.items()
+        }
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
-            h = layer(h, positions, layouts[kind.window or 0], store, i)
+            key = kind.window or 0
+            h = layer(h, positions, layouts[key], masks[key], store, i)
         store.advance()
         h = mx.fast.rms_norm(h, self.final_norm, self.eps)
-        return self.lm.lm_head(h)[:, 0, :]
+        return self.lm.lm_head(h)
 
 
 class _Layer:
@@ -68,31 +77,37 @@ class _Layer:
         self.k_norm = 1.0 + attn.k_norm.weight
         self.qkv, self.qkv_split = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up, self.gate_up_split = fuse_linears([self.mlp.gate_proj, self.mlp.up_proj])
+        self.o_proj = StepLinear(attn.o_proj)
+        self.down_proj = StepLinear(self.mlp.down_proj)
         mx.eval(self.norms, self.q_norm, self.k_norm)
 
     def _norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norms[name], self.eps)
 
-    def __call__(self, x, positions, layout, store: SlotStore, index: int) -> mx.array:
+    def __call__(self, x, positions, layout, mask, store: SlotStore, index: int) -> mx.array:
         attn = self.attn
         B = x.shape[0]
         x = clip_residual(x)
         q, k, v = mx.split(self.qkv(self._norm("input_layernorm", x)), self.qkv_split, axis=-1)
-        # One token per row: (B, 1, heads * dim) is (B, heads, 1, dim) without a transpose.
+        # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
         q = mx.fast.rms_norm(q.reshape(B, attn.n_heads, 1, -1), self.q_norm, self.eps)
         k = mx.fast.rms_norm(k.reshape(B, attn.n_kv_heads, 1, -1), self.k_norm, self.eps)
         v = v.reshape(B, attn.n_kv_heads, 1, -1)
         q = attn.rope(q, offset=positions)
         k = attn.rope(k, offset=positions)
         keys, values = store.update(index, layout, k, v)
-        o = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=attn.scale, mask=layout.mask
-        )
-        r = attn.o_proj(o.reshape(B, 1, -1))
+        r = self.o_proj(attend(q, keys, values, attn.scale, mask))
         h = clip_residual(x + self._norm("post_attention_layernorm", r))
         gate, up = mx.split(
             self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1
         )
-        r = self.mlp.down_proj(gelu_approx(gate) * up)
+        r = self.down_proj(_gelu_times(gate, up))
         return clip_residual(h + self._norm("post_feedforward_layernorm", r))
 
+
+
+@mx.compile
+def _gelu_times(gate: mx.array, up: mx.array) -> mx.array:
+    """Gemma's MLP activation, one fused kernel instead of several elementwise ones
+    (the same operations in the same order as ``gelu_approx(gate) * up``)."""
+    return gelu_approx(gate) * up
