@@ -61,7 +61,9 @@ class Batch:
         if not rows:
             return
         if self.store is not None:
-            self.store.join([row.cache for row in rows])
+            self.store.join(
+                [row.cache for row in rows], [self.family.rope_shift(row.state) for row in rows]
+            )
         elif not self.family.batched:
             if self.cache is not None or len(rows) > 1:
                 raise RuntimeError(f"{self.family.describe()}: cannot batch rows")

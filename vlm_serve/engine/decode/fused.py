@@ -22,19 +22,22 @@ class StepLinear:
     """``module(x)`` for a decode step. A plain layer's ``x @ W.T`` adds a transpose node
     to every step's graph; here ``W.T`` is taken once (an evaluated view of the same
     memory, so the matmul and its result are the same). Quantized layers transpose
-    inside their kernel already and are called as they are."""
+    inside their kernel already and are called as they are. ``tied`` reads an embedding
+    table as the output layer, as ``Embedding.as_linear`` does."""
 
-    def __init__(self, module: nn.Module):
-        self.module = module
-        self.weight_t = None
-        if isinstance(module, nn.Linear):
+    def __init__(self, module: nn.Module, tied: bool = False):
+        self.call = module.as_linear if tied else module
+        self.weight_t = self.bias = None
+        if isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(
+            module, (nn.QuantizedLinear, nn.QuantizedEmbedding)
+        ):
             self.weight_t = module.weight.T
             self.bias = module.bias if "bias" in module else None
             mx.eval(self.weight_t)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.weight_t is None:
-            return self.module(x)
+            return self.call(x)
         if self.bias is not None:
             return mx.addmm(self.bias, x, self.weight_t)
         return x @ self.weight_t

@@ -62,6 +62,9 @@ class SlotStore:
         self.keys: list[mx.array] | None = None
         self.values: list[mx.array] | None = None
         self.lengths: list[int] = []  # tokens each live row holds (its next position)
+        # Per row, how far its rotary position runs from its length (Qwen-VL's mRoPE
+        # delta after an image); all zero for most families.
+        self.shifts: list[int] = []
 
     # -- shape -------------------------------------------------------------------------
 
@@ -108,9 +111,10 @@ class SlotStore:
 
     # -- rows joining and leaving ------------------------------------------------------
 
-    def join(self, row_caches: list[list]) -> None:
+    def join(self, row_caches: list[list], shifts: list[int] | None = None) -> None:
         """Copy prefilled rows in: each is one row's per-layer mlx-lm caches
-        (``KVCache`` for full attention, ``RotatingKVCache`` for a window)."""
+        (``KVCache`` for full attention, ``RotatingKVCache`` for a window), with its
+        rotary position shift."""
         lengths = [caches[0].offset for caches in row_caches]
         rows = self.rows + len(row_caches)
         needed = max([*self.lengths, *lengths]) + 1
@@ -124,6 +128,7 @@ class SlotStore:
                 self.keys[i][slot:slot + 1, :, : k.shape[2]] = k
                 self.values[i][slot:slot + 1, :, : v.shape[2]] = v
             self.lengths.append(length)
+        self.shifts += shifts or [0] * len(row_caches)
 
     def _capacity(self) -> int:
         """Positions every layer can hold (a full window never runs out)."""
@@ -146,8 +151,10 @@ class SlotStore:
                         layer[gone:gone + 1] = layer[last:last + 1]
                 order[gone] = order[last]
                 self.lengths[gone] = self.lengths[last]
+                self.shifts[gone] = self.shifts[last]
             order.pop()
             self.lengths.pop()
+            self.shifts.pop()
         if not order:
             self.reset()
         elif slot_bucket(len(order)) * 2 < self.slots:
@@ -161,6 +168,7 @@ class SlotStore:
     def reset(self) -> None:
         self.keys = self.values = None
         self.lengths = []
+        self.shifts = []
 
     # -- one decode step ---------------------------------------------------------------
 
@@ -189,6 +197,13 @@ class SlotStore:
             mask = mx.arange(span)[None, :] <= positions[:, None]
             layouts[window] = StepLayout(write_index, mask[:, None, None, :], span)
         return positions, layouts
+
+    def rope_positions(self, positions: mx.array) -> mx.array:
+        """This step's rotary positions: ``positions`` plus each row's shift."""
+        if not any(self.shifts):
+            return positions
+        padding = [0] * (self.slots - self.rows)
+        return mx.array([n + s for n, s in zip(self.lengths, self.shifts)] + padding, mx.int32)
 
     def update(self, layer: int, layout: StepLayout, keys: mx.array, values: mx.array):
         """Write one layer's new keys/values (slots, kv_heads, 1, head_dim) and return

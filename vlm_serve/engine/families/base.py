@@ -129,6 +129,11 @@ class Family:
     def decode_kwargs(self, cache: list, rows: list[dict[str, Any]]) -> dict:
         return {}
 
+    def rope_shift(self, row: dict[str, Any]) -> int:
+        """How far a row's rotary position runs from its token count (engine decode
+        step only)."""
+        return 0
+
     def after_step(self, output, rows: list[dict[str, Any]]) -> None:
         """Update the rows' state from a decode step's language-model output."""
 

@@ -11,11 +11,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..decode.qwen2 import Qwen2Decoder
 from .base import Family
 
 
 class QwenVL(Family):
     name = "qwen-vl"
+    decoder_class = Qwen2Decoder
 
     def __init__(self, model, vision_cache_size: int = 64):
         super().__init__(model, vision_cache_size)
@@ -38,6 +40,9 @@ class QwenVL(Family):
         positions = (offsets + deltas)[:, None]
         return {"position_ids": mx.broadcast_to(positions[None], (3, len(rows), 1))}
 
+    def rope_shift(self, row: dict[str, Any]) -> int:
+        return row["rope_delta"]
+
 
 
 class Qwen3VL(QwenVL):
@@ -48,6 +53,7 @@ class Qwen3VL(QwenVL):
     cache stays off for this family: the tower runs for every request."""
 
     name = "qwen3-vl"
+    decoder_class = None  # its language model differs (q/k norms, DeepStack): model code
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return None
