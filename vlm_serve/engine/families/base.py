@@ -21,11 +21,14 @@ unverified model type gets.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
 
 from ..vision_cache import VisionCache
+
+log = logging.getLogger("vlm_serve.engine")
 
 # Keys of ``get_input_embeddings`` output that are not language-model arguments.
 _EMBED_ONLY_KEYS = {"inputs_embeds"}
@@ -65,7 +68,13 @@ class Family:
         if self.decoder_class is None or not self.use_decoder:
             return None
         if getattr(self, "_decoder", None) is None:
-            self._decoder = self.decoder_class(self.model)
+            try:
+                self._decoder = self.decoder_class(self.model)
+            except Exception:  # noqa: BLE001 - a model unlike its family's usual layout
+                log.warning("%s: no engine decode step for this model, using its model code",
+                            self.name, exc_info=True)
+                self.use_decoder = False
+                return None
         return self._decoder
 
     def encode_images(self, input_ids: mx.array, pixel_values, inputs: dict):
