@@ -240,7 +240,7 @@ class Scheduler:
         self.waiting_rows = sum(1 + len(s.copies) for s in [*self.waiting, *self.prefilling])
         prefixes = self.prefix_cache.nbytes if self.prefix_cache else 0
         prefills = sum(
-            cache_bytes(s.prefill.cache) + cache_bytes(s.prefill.short_cache)
+            cache_bytes(s.prefill.cache) + cache_bytes(getattr(s.prefill, "short_cache", None))
             for s in self.prefilling if s.prefill is not None
         )
         self.kv_cache_bytes = self.batch.nbytes
@@ -376,13 +376,23 @@ class Scheduler:
                 return
             trial = replace(demand)
             self.memory.add(trial, state.request, rows=rows)
+            group = [state, *state.copies]
             if not self._make_room(self._reserved(trial)):
+                need = self.memory.alone(state.request, rows)
+                if need > self.memory.limit:
+                    # Never fits (the API refuses these before they queue): end it
+                    # rather than hold up everyone behind it.
+                    self.waiting.popleft()
+                    for member in group:
+                        self._finish(member, FinishReason.ERROR, error=(
+                            f"needs {format_bytes(need)} of KV cache, over the limit of "
+                            f"{format_bytes(self.memory.limit)}"))
+                    continue
                 if not state.waited_for_memory:
                     state.waited_for_memory = True
                     self.memory_waits += 1
                 return
             self.waiting.popleft()
-            group = [state, *state.copies]
             if state.request.sampling.grammar is not None:
                 try:
                     for member in group:
