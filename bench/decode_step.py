@@ -1,6 +1,7 @@
-"""One decode step, three ways: mlx-vlm's plain forward (all rows the same length, the
-model's own caches), the engine's batch through the model code on mlx-lm's batch caches,
-and the engine's batch through the family's own decode step. Rows are ragged text rows
+"""One decode step, several ways: mlx-vlm's plain forward (all rows the same length,
+the model's own caches), the engine's batch through the model code on mlx-lm's batch
+caches, and the engine's batch through the family's own decode step (compiled, and
+built op by op). Rows are ragged text rows
 of about ``--context`` tokens; times are per step, greedy, no scheduler.
 
     python bench/decode_step.py --model DIR --batch-sizes 1,8,32,64 --context 320
@@ -28,12 +29,16 @@ from vlm_serve.engine.prefill import Prefill  # noqa: E402
 from vlm_serve.engine.types import PreparedRequest, SamplingParams  # noqa: E402
 
 
-def engine_step(model, batch: int, context: int, steps: int, use_decoder: bool) -> float | None:
+def engine_step(
+    model, batch: int, context: int, steps: int, use_decoder: bool, compiled: bool = True
+) -> float | None:
     engine_batch = build_engine_batch(
         model, batch, context, steps + 8, ragged=True, use_decoder=use_decoder
     )
     if use_decoder and engine_batch.store is None:
         return None
+    if use_decoder and not compiled:
+        engine_batch.decoder.compiled = None  # build the step op by op
 
     def step():
         return engine_batch.step().tokens
@@ -106,14 +111,15 @@ def main() -> None:
                 "plain_ms": plain_step(model, b, args.context, args.steps),
                 "model_code_ms": engine_step(model, b, args.context, args.steps, False),
                 "engine_ms": engine_step(model, b, args.context, args.steps, True),
+                "engine_eager_ms": engine_step(model, b, args.context, args.steps, True, False),
             }
             row = {k: round(v, 3) if v is not None else None for k, v in row.items()}
             result["steps"][b] = row
             print(b, row, flush=True)
-    print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

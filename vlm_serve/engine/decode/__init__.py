@@ -1,8 +1,10 @@
 """Engine-owned decode steps: per family, the batched one-token forward pass on a
-slot store (``store.py``), with the model's own weights and numerics. A family without
-one decodes through mlx-vlm's model code on mlx-lm's batch caches."""
+slot store (``store.py``), with the model's own weights and numerics (``step.py`` holds
+what they share). A family without one decodes through mlx-vlm's model code on mlx-lm's
+batch caches."""
 
 from .gemma3 import Gemma3Decoder
+from .qwen2 import Qwen2Decoder
 from .store import SlotStore
 
-__all__ = ["Gemma3Decoder", "SlotStore"]
+__all__ = ["Gemma3Decoder", "Qwen2Decoder", "SlotStore"]

@@ -3,9 +3,9 @@
 The same computation as mlx-vlm's Gemma 3 language model for one new token per row,
 without what a general forward pass pays for on every layer: masks and offsets are
 built once per step (by the store), RMSNorm weights are ``1 + w`` once at load, the
-query/key/value projections are one matmul (their weights fused at load, the model's
-own projections left as views of the fused weight so prefill is unchanged), and the
-single-token head transposes are reshapes.
+query/key/value projections are one matmul and gate/up another (their weights fused at
+load, the model's own projections left as views of the fused weights so prefill is
+unchanged), activations stay 2-D and single-token head transposes are reshapes.
 """
 
 from __future__ import annotations
@@ -14,57 +14,47 @@ import mlx.core as mx
 from mlx.nn import gelu_approx
 from mlx_vlm.models.gemma3.language import clip_residual
 
-from .attention import additive_mask, attend
+from .attention import attend
 from .fused import StepLinear, fuse_linears
-from .store import LayerKind, SlotStore
+from .step import KVWriter, StepDecoder
+from .store import LayerKind
 
 
-class Gemma3Decoder:
+class Gemma3Decoder(StepDecoder):
     def __init__(self, model):
         self.lm = model.language_model
         text = self.lm.model
         config = text.config
         pattern = text.sliding_window_pattern
-        self.layer_kinds = [
+        kinds = [
             LayerKind(None if i % pattern == pattern - 1 else text.window_size)
             for i in range(len(text.layers))
         ]
-        self.kv_heads = config.num_key_value_heads
-        self.groups = config.num_attention_heads // self.kv_heads  # query heads per kv head
-        self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
+        self.embed = text.embed_tokens
         self.embed_scale = mx.array(config.hidden_size**0.5, mx.bfloat16)
         self.layers = [_Layer(layer, self.eps) for layer in text.layers]
         self.final_norm = 1.0 + text.norm.weight
+        self.head = StepLinear(self.lm.lm_head)
+        mx.eval(self.final_norm)
+        attn = text.layers[0].self_attn  # head counts from the layer (a sharded one has fewer)
+        super().__init__(kinds, attn.n_heads, attn.n_kv_heads, config.head_dim)
 
-    def new_store(self) -> SlotStore:
-        return SlotStore(self.layer_kinds, self.kv_heads, self.head_dim)
-
-    def __call__(self, tokens: mx.array, store: SlotStore) -> mx.array:
-        """Logits (slots, vocab) of one decode step; ``tokens`` is (slots,)."""
-        positions, layouts = store.layout()
-        text = self.lm.model
-        # Activations stay (slots, hidden): a 3-D input would cost every matmul a
-        # flatten and an unflatten.
-        h = text.embed_tokens(tokens)
+    def forward(self, tokens, positions, indices, masks, keys, values):
+        h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
         h = h * self.embed_scale.astype(h.dtype)
-        masks = {
-            kind: additive_mask(layout.mask, self.kv_heads, self.groups, h.dtype)
-            for kind, layout in layouts.items()
-        }
-        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
-            key = kind.window or 0
-            h = layer(h, positions, layouts[key], masks[key], store, i)
-        store.advance()
+        masks_add = self.additive_masks(masks, h.dtype)
+        write = KVWriter(self, indices, masks, keys, values)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, masks_add[self.kind_index[i]], write, i)
         h = mx.fast.rms_norm(h, self.final_norm, self.eps)
-        return self.lm.lm_head(h)
+        return self.head(h), write.keys, write.values
 
 
 class _Layer:
     def __init__(self, block, eps: float):
         attn = block.self_attn
         self.attn = attn
-        self.mlp = block.mlp
         self.eps = eps
         self.norms = {
             name: 1.0 + getattr(block, name).weight
@@ -76,15 +66,15 @@ class _Layer:
         self.q_norm = 1.0 + attn.q_norm.weight
         self.k_norm = 1.0 + attn.k_norm.weight
         self.qkv, self.qkv_split = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up, self.gate_up_split = fuse_linears([self.mlp.gate_proj, self.mlp.up_proj])
+        self.gate_up, self.gate_up_split = fuse_linears([block.mlp.gate_proj, block.mlp.up_proj])
         self.o_proj = StepLinear(attn.o_proj)
-        self.down_proj = StepLinear(self.mlp.down_proj)
+        self.down_proj = StepLinear(block.mlp.down_proj)
         mx.eval(self.norms, self.q_norm, self.k_norm)
 
     def _norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norms[name], self.eps)
 
-    def __call__(self, x, positions, layout, mask, store: SlotStore, index: int) -> mx.array:
+    def __call__(self, x, positions, mask, write: KVWriter, index: int) -> mx.array:
         attn = self.attn
         B = x.shape[0]
         x = clip_residual(x)
@@ -95,7 +85,7 @@ class _Layer:
         v = v.reshape(B, attn.n_kv_heads, 1, -1)
         q = attn.rope(q, offset=positions)
         k = attn.rope(k, offset=positions)
-        keys, values = store.update(index, layout, k, v)
+        keys, values = write(index, k, v)
         r = self.o_proj(attend(q, keys, values, attn.scale, mask))
         h = clip_residual(x + self._norm("post_attention_layernorm", r))
         gate, up = mx.split(
@@ -103,7 +93,6 @@ class _Layer:
         )
         r = self.down_proj(_gelu_times(gate, up))
         return clip_residual(h + self._norm("post_feedforward_layernorm", r))
-
 
 
 @mx.compile

@@ -13,43 +13,39 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_vlm.models.activations import swiglu
 
-from .attention import additive_mask, attend
+from .attention import attend
 from .fused import StepLinear, fuse_linears
-from .store import LayerKind, SlotStore
+from .step import KVWriter, StepDecoder
+from .store import LayerKind
 
 
-class Qwen2Decoder:
+class Qwen2Decoder(StepDecoder):
     def __init__(self, model):
         self.lm = model.language_model
         text = self.lm.model
         args = self.lm.args
-        self.kv_heads = args.num_key_value_heads
-        self.heads = args.num_attention_heads
-        self.head_dim = args.hidden_size // self.heads
-        self.groups = self.heads // self.kv_heads
+        heads = args.num_attention_heads
         self.rope_base = float(args.rope_theta)
-        self.layer_kinds = [LayerKind(None) for _ in text.layers]
-        self.layers = [_Layer(layer, self) for layer in text.layers]
+        self.embed = text.embed_tokens
+        self.final_norm = text.norm
+        self.layers = [_Layer(layer) for layer in text.layers]
         if args.tie_word_embeddings:
             self.head = StepLinear(text.embed_tokens, tied=True)
         else:
             self.head = StepLinear(self.lm.lm_head)
+        attn = text.layers[0].self_attn  # head counts from the layer (a sharded one has fewer)
+        super().__init__(
+            [LayerKind(None) for _ in text.layers], attn.n_heads, attn.n_kv_heads,
+            args.hidden_size // heads,
+        )
 
-    def new_store(self) -> SlotStore:
-        return SlotStore(self.layer_kinds, self.kv_heads, self.head_dim)
-
-    def __call__(self, tokens: mx.array, store: SlotStore) -> mx.array:
-        """Logits (slots, vocab) of one decode step; ``tokens`` is (slots,)."""
-        positions, layouts = store.layout()
-        rope_positions = store.rope_positions(positions)
-        text = self.lm.model
-        h = text.embed_tokens(tokens)  # (slots, hidden): 2-D keeps matmuls flat
-        layout = layouts[0]
-        mask = additive_mask(layout.mask, self.kv_heads, self.groups, h.dtype)
+    def forward(self, tokens, positions, indices, masks, keys, values):
+        h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
+        mask = self.additive_masks(masks, h.dtype)[0]
+        write = KVWriter(self, indices, masks, keys, values)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope_positions, layout, mask, store, i)
-        store.advance()
-        return self.head(text.norm(h))
+            h = layer(self, h, positions, mask, write, i)
+        return self.head(self.final_norm(h)), write.keys, write.values
 
     def rope(self, x: mx.array, positions: mx.array) -> mx.array:
         return mx.fast.rope(
@@ -59,9 +55,8 @@ class Qwen2Decoder:
 
 
 class _Layer:
-    def __init__(self, block, decoder: Qwen2Decoder):
+    def __init__(self, block):
         attn = block.self_attn
-        self.decoder = decoder
         self.input_norm = block.input_layernorm
         self.post_norm = block.post_attention_layernorm
         self.scale = attn.scale
@@ -70,14 +65,13 @@ class _Layer:
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(block.mlp.down_proj)
 
-    def __call__(self, x, positions, layout, mask, store: SlotStore, index: int) -> mx.array:
-        d = self.decoder
+    def __call__(self, d: Qwen2Decoder, x, positions, mask, write: KVWriter, index: int):
         B = x.shape[0]
         q, k, v = mx.split(self.qkv(self.input_norm(x)), self.qkv_split, axis=-1)
         # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
         q = d.rope(q.reshape(B, d.heads, 1, d.head_dim), positions)
         k = d.rope(k.reshape(B, d.kv_heads, 1, d.head_dim), positions)
-        keys, values = store.update(index, layout, k, v.reshape(B, d.kv_heads, 1, d.head_dim))
+        keys, values = write(index, k, v.reshape(B, d.kv_heads, 1, d.head_dim))
         h = x + self.o_proj(attend(q, keys, values, self.scale, mask))
         gate, up = mx.split(self.gate_up(self.post_norm(h)), self.gate_up_split, axis=-1)
         return h + self.down_proj(swiglu(gate, up))

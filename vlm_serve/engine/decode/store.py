@@ -8,9 +8,9 @@ against each other, so:
 - a row joins by copying its prefill cache into a free slot (nothing else moves);
 - a row leaves by moving the last live row into its slot (one row's copy, not the
   batch's), so live rows are always slots [0, rows);
-- a decode step writes every row's new key with one scatter per layer, and every layer
-  of a kind shares one mask and one index array, built once per step from positions the
-  host already knows (nothing is read back).
+- a decode step writes every row's new key with one scatter per layer (``step.py``),
+  and every layer of a kind shares one mask and one index array, built once per step
+  from positions the host already knows (nothing is read back).
 
 The number of slots follows the number of rows in coarse buckets, so steps keep the
 same shapes while rows come and go; the empty slots of a bucket compute on garbage that
@@ -204,16 +204,6 @@ class SlotStore:
             return positions
         padding = [0] * (self.slots - self.rows)
         return mx.array([n + s for n, s in zip(self.lengths, self.shifts)] + padding, mx.int32)
-
-    def update(self, layer: int, layout: StepLayout, keys: mx.array, values: mx.array):
-        """Write one layer's new keys/values (slots, kv_heads, 1, head_dim) and return
-        the keys/values to attend to."""
-        self.keys[layer] = mx.put_along_axis(self.keys[layer], layout.write_index, keys, axis=2)
-        self.values[layer] = mx.put_along_axis(
-            self.values[layer], layout.write_index, values, axis=2
-        )
-        span = layout.span
-        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
 
     def advance(self) -> None:
         self.lengths = [n + 1 for n in self.lengths]

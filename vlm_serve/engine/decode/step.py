@@ -1,0 +1,74 @@
+"""What every engine decode step shares: the slot store's bookkeeping around a pure
+forward function of the step's arrays, optionally compiled.
+
+``forward(tokens, positions, write_indices, masks, keys, values)`` takes everything as
+arrays (the store's per-kind write indices and masks, its per-layer keys and values)
+and returns the logits and the updated keys and values, so it can be handed to
+``mx.compile``: the graph is then traced once per shape and replayed from C++ instead
+of being rebuilt op by op in Python every step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from .attention import additive_mask
+from .store import LayerKind, SlotStore
+
+# Set VLM_SERVE_COMPILE_DECODE=0 to build the step op by op (for comparison).
+COMPILE = os.environ.get("VLM_SERVE_COMPILE_DECODE", "1") != "0"
+
+
+class StepDecoder:
+    def __init__(self, layer_kinds: list[LayerKind], heads: int, kv_heads: int, head_dim: int):
+        self.layer_kinds = layer_kinds
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.groups = heads // kv_heads  # query heads per key/value head
+        kinds = sorted({k.window or 0 for k in layer_kinds})
+        self.kind_index = [kinds.index(k.window or 0) for k in layer_kinds]
+        self.compiled = mx.compile(self.forward) if COMPILE else None
+
+    def new_store(self) -> SlotStore:
+        return SlotStore(self.layer_kinds, self.kv_heads, self.head_dim)
+
+    def __call__(self, tokens: mx.array, store: SlotStore) -> mx.array:
+        """Logits (slots, vocab) of one decode step; ``tokens`` is (slots,)."""
+        positions, layouts = store.layout()
+        rope_positions = store.rope_positions(positions)
+        indices = [layouts[k].write_index for k in store.kinds]
+        masks = [layouts[k].mask for k in store.kinds]
+        forward = self.compiled or self.forward
+        logits, store.keys, store.values = forward(
+            tokens, rope_positions, indices, masks, store.keys, store.values
+        )
+        store.advance()
+        return logits
+
+    def forward(self, tokens, positions, indices, masks, keys, values):
+        raise NotImplementedError
+
+    def additive_masks(self, masks: list[mx.array], dtype) -> list[mx.array]:
+        return [additive_mask(m, self.kv_heads, self.groups, dtype) for m in masks]
+
+
+class KVWriter:
+    """One step's writes into the store's per-layer keys/values (lists the forward
+    function owns): each layer writes its rows' new key/value at their columns and
+    attends to the columns its kind's mask spans."""
+
+    def __init__(self, decoder: StepDecoder, indices, masks, keys, values):
+        self.decoder = decoder
+        self.indices, self.masks = indices, masks
+        self.keys, self.values = list(keys), list(values)
+
+    def __call__(self, layer: int, k: mx.array, v: mx.array):
+        kind = self.decoder.kind_index[layer]
+        index = self.indices[kind]
+        self.keys[layer] = mx.put_along_axis(self.keys[layer], index, k, axis=2)
+        self.values[layer] = mx.put_along_axis(self.values[layer], index, v, axis=2)
+        span = self.masks[kind].shape[-1]
+        if span == self.keys[layer].shape[2]:
+            return self.keys[layer], self.values[layer]
+        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
