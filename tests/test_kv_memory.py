@@ -205,3 +205,34 @@ def test_the_flag_and_its_environment_variable():
         parse_config([], {"VLM_SERVE_KV_CACHE_MEMORY": "8 parsecs"})
     assert parse_memory("512MiB").bytes == 512 << 20 and parse_memory("2GB").bytes == 2 * 10**9
     assert parse_memory("0.25").fraction == 0.25 and parse_memory("4096").bytes == 4096
+
+
+def test_prefix_cache_evicts_the_least_recently_used_entry():
+    """A hit makes its entry the most recently used: a shared prefix in use stays while
+    an entry nobody asks for is evicted."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from vlm_serve.engine.prefix_cache import PrefixCache
+
+    def cache(n: int) -> list:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
+        return [c]
+
+    room = {"bytes": 1 << 30}
+    prefixes = PrefixCache(2, 1 << 30, lambda: room["bytes"])
+    prefixes.store([1, 2, 3], cache(3))
+    prefixes.store([5, 6, 7], cache(3))
+    assert prefixes.lookup([1, 2, 3, 4])[1] == 3  # used: now the most recent
+    prefixes.store([9, 9, 9], cache(3))  # over two entries: the unused one goes
+    assert prefixes.evictions == 1 and len(prefixes) == 2
+    assert prefixes.lookup([5, 6, 7, 8])[1] == 0 and prefixes.lookup([1, 2, 3, 8])[1] == 3
+    assert prefixes.queried_tokens == 12 and prefixes.reused_tokens == 6
+    # The budget's room bounds it too: an entry larger than the room is not kept, and
+    # shrinking the room evicts (least recently used first).
+    room["bytes"] = prefixes.nbytes // 2 - 1  # less than one entry
+    prefixes.store([4, 4, 4, 4], cache(4))
+    assert len(prefixes) == 2
+    prefixes.evict_to(prefixes.nbytes // 2)
+    assert len(prefixes) == 1 and prefixes.lookup([1, 2, 3, 0])[1] == 3 and prefixes.evictions == 2

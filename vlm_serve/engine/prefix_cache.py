@@ -8,9 +8,10 @@ request's images, in order: the same conversation with the same images matches, 
 another image, or the same images in another order, diverges at the first placeholder
 (the text before it, which cannot see the image, still matches).
 
-Eviction is least recently stored first and is done here, not by mlx-lm, so that it is
+Eviction is least recently used first and is done here, not by mlx-lm, so that it is
 counted and so that the memory budget can shrink the cache (``evict_to``) and bound
-what a new entry may take (``room``).
+what a new entry may take (``room``). mlx-lm orders entries by insertion only, so a hit
+moves its entry to the back (a shared system prompt stays while it is in use).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class PrefixCache:
         cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, tokens)
         if cache is None:
             return None, 0
+        self._touch(tokens)
         reused = len(tokens) - len(rest)
         if reused == len(tokens):
             if not can_trim_prompt_cache(cache):
@@ -84,6 +86,25 @@ class PrefixCache:
             return
         self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
         self.evict_to(room)
+
+    def _touch(self, tokens: list[int]) -> None:
+        """Make the entry that ``fetch_nearest_cache`` just used the most recently used
+        (the same choice of entry as it makes; mlx-lm internals, so never fatal)."""
+        try:
+            found = self._lru._trie.search(_MODEL_KEY, tokens)
+            key = found.exact
+            short = len(found.shorter) if found.shorter is not None else 0
+            if key is None and found.longer is not None and found.common_prefix > short:
+                entry = self._lru._trie.get(_MODEL_KEY, found.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    key = found.longer
+            if key is None:
+                key = found.shorter
+            if key:
+                self._lru._lru.remove(_MODEL_KEY, key)
+                self._lru._lru.push(_MODEL_KEY, key)
+        except Exception:  # noqa: BLE001 - only the eviction order is at stake
+            pass
 
     def evict_to(self, max_bytes: int) -> None:
         """Evict the least recently stored entries until the cache holds at most
