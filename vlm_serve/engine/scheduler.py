@@ -276,8 +276,7 @@ class Scheduler:
 
     def _turn(self) -> None:
         idle = not (self.waiting or self.prefilling or self.running or self._inflight)
-        self._drain_inbox(block=idle)
-        self._expire_deadlines()
+        self._take_inputs(idle)
         self._admit()
         budget = self.config.prefill_token_budget
         while self.prefilling and budget > 0:
@@ -288,6 +287,14 @@ class Scheduler:
         if self.running or self._inflight:
             self._decode_step()
         self._account()
+
+    def _take_inputs(self, idle: bool) -> None:
+        """Everything from outside this turn acts on: new requests, cancellations and
+        deadlines. The rest of a turn follows from the scheduler's state alone, so a
+        tensor-parallel follower that takes rank 0's inputs takes rank 0's steps
+        (``vlm_serve.distributed.replica``)."""
+        self._drain_inbox(block=idle)
+        self._expire_deadlines()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
