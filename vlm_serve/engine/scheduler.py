@@ -188,11 +188,11 @@ class Scheduler:
             # Running totals for /metrics: prompt tokens looked up in the prefix cache
             # and those whose KV came from it, and image sets whose vision features came
             # from the vision cache.
-            "prefix_cache_queried_tokens": prefixes.queried_tokens if prefixes else 0,
-            "prefix_cache_hit_tokens": prefixes.reused_tokens if prefixes else 0,
-            "prefix_cache_bytes": prefixes.nbytes if prefixes else 0,
-            "prefix_cache_entries": len(prefixes) if prefixes else 0,
-            "prefix_cache_evictions": prefixes.evictions if prefixes else 0,
+            "prefix_cache_queried_tokens": prefixes.queried_tokens if prefixes is not None else 0,
+            "prefix_cache_hit_tokens": prefixes.reused_tokens if prefixes is not None else 0,
+            "prefix_cache_bytes": prefixes.nbytes if prefixes is not None else 0,
+            "prefix_cache_entries": len(prefixes) if prefixes is not None else 0,
+            "prefix_cache_evictions": prefixes.evictions if prefixes is not None else 0,
             "vision_cache_hits": getattr(getattr(self.family, "vision_cache", None), "hits", 0),
         }
 
@@ -226,7 +226,7 @@ class Scheduler:
     def _make_room(self, need: int) -> bool:
         """Whether ``need`` bytes of reservations fit, evicting cached prefixes (least
         recently stored first) if that is what it takes."""
-        held = self.prefix_cache.nbytes if self.prefix_cache else 0
+        held = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
         if need + held <= self.memory.limit:
             return True
         if need > self.memory.limit:
@@ -238,7 +238,7 @@ class Scheduler:
         """Measure what is held now (the caches' own sizes) and what is reserved. Read
         by other threads through ``stats`` (plain numbers, set here)."""
         self.waiting_rows = sum(1 + len(s.copies) for s in [*self.waiting, *self.prefilling])
-        prefixes = self.prefix_cache.nbytes if self.prefix_cache else 0
+        prefixes = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
         prefills = sum(
             cache_bytes(s.prefill.cache) + cache_bytes(getattr(s.prefill, "short_cache", None))
             for s in self.prefilling if s.prefill is not None
@@ -670,7 +670,7 @@ class Scheduler:
                 len(self.running), len(self.prefilling), len(self.waiting),
                 self._stats["generated"] / elapsed, format_bytes(self.kv_memory_used),
                 format_bytes(self.kv_memory_reserved), format_bytes(self.memory.limit),
-                len(self.prefix_cache) if self.prefix_cache else 0,
+                len(self.prefix_cache) if self.prefix_cache is not None else 0,
             )
         self._stats = {"generated": 0, "since": now}
 
