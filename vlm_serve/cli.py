@@ -116,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None,
                    choices=list(FORMATS),
                    help="tool-call format; default: chosen from the model's chat template")
+    g = p.add_argument_group("tensor parallel (one model across several devices)")
+    g.add_argument("--tensor-parallel", type=int, default=d.tensor_parallel, metavar="N",
+                   help="split the language model across N ranks on this machine (one GPU "
+                        "each with NCCL, or CPU processes over the ring backend); rank 0 "
+                        "serves HTTP. Across machines, start every rank with mlx.launch")
+    g.add_argument("--distributed-backend", default=d.distributed_backend,
+                   choices=["auto", "ring", "nccl", "mpi", "jaccl"],
+                   help="MLX backend of the group; auto: NCCL with CUDA, else ring (or "
+                        "whatever mlx.launch prepared)")
+    g.add_argument("--tensor-parallel-timeout", type=float, default=d.tensor_parallel_timeout_s,
+                   dest="tensor_parallel_timeout_s", metavar="SECONDS",
+                   help="a rank silent this long, or a scheduler turn running this long (a "
+                        "rank stuck in a collective), fails the group: the server ends with "
+                        "an error instead of hanging")
     return p
 
 
@@ -214,10 +228,22 @@ def main(argv: list[str] | None = None) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from .distributed.group import launched_as_rank
+
+    if config.tensor_parallel > 1 and not launched_as_rank():
+        from .distributed.launch import launch
+
+        sys.exit(launch(sys.argv[1:] if argv is None else list(argv), config.tensor_parallel,
+                        config.distributed_backend))
     from .server import StartupError, run
 
     try:
-        run(config)
+        if launched_as_rank():
+            from .distributed.serve import run_rank
+
+            run_rank(config)
+        else:
+            run(config)
     except StartupError as exc:
         sys.exit(f"vlm-serve: error: {exc}")
 

@@ -50,6 +50,13 @@ class ServerConfig:
     max_pixels_per_request: int = 100_000_000  # decoded image pixels, all images of a request
 
     tool_call_parser: str | None = None  # None: chosen from the model
+
+    # Tensor parallelism (vlm_serve.distributed): ranks started here (N > 1), or by
+    # mlx.launch; the MLX backend (auto: what the launcher prepared); how long a rank
+    # may be silent or a turn may run before the group is declared failed.
+    tensor_parallel: int = 1
+    distributed_backend: str = "auto"
+    tensor_parallel_timeout_s: float = 120.0
     extra: dict = field(default_factory=dict)
 
     @property

@@ -76,7 +76,8 @@ def read_chat_template(config: ServerConfig) -> str | None:
     return template
 
 
-def build_engine(config: ServerConfig) -> Engine:
+def build_engine(config: ServerConfig, parallel=None) -> Engine:
+    """``parallel``: this process's rank of a tensor-parallel group (vlm_serve.distributed)."""
     chat_template = read_chat_template(config)
     engine = Engine(
         resolve_model(config),
@@ -92,7 +93,10 @@ def build_engine(config: ServerConfig) -> Engine:
         vision_cache_size=config.vision_cache_size,
         warm=config.warmup if config.warmup is not None else on_gpu(),
         chat_template=chat_template,
+        parallel=parallel,
     )
+    if parallel is not None and parallel.leader:
+        parallel.on_failure = engine.fail_now  # a failed group ends every request at once
     try:
         engine.start()
     except RuntimeError as exc:
@@ -127,7 +131,7 @@ def bind_now(hc: HypercornConfig, config: ServerConfig) -> None:
     hc.bind = [f"fd://{sock.detach()}" for sock in sockets.insecure_sockets]
 
 
-def run(config: ServerConfig) -> None:
+def run(config: ServerConfig, parallel=None) -> None:
     """Serve until SIGTERM/SIGINT, then stop gracefully: refuse new requests (the
     listener closes; a request on an open connection gets 503), give those in flight
     ``shutdown_timeout_s`` to finish, end the rest with an error, stop the engine.
@@ -135,7 +139,7 @@ def run(config: ServerConfig) -> None:
     check_model_arg(config.model)
     hc = hypercorn_config(config)
     bind_now(hc, config)
-    engine = build_engine(config)
+    engine = build_engine(config, parallel)
     app = create_app(engine, config)
 
     async def main() -> None:

@@ -33,7 +33,14 @@ access_log = logging.getLogger("vlm_serve.access")
 
 async def health(request: Request) -> JSONResponse:
     engine = request.app.state.vlm.engine
-    return JSONResponse({"status": "ok", "in_flight": engine.in_flight})
+    body = {"status": "ok", "in_flight": engine.in_flight}
+    parallel = getattr(engine, "parallel", None)
+    if parallel is not None:  # a tensor-parallel group: its ranks, and why it failed
+        body["tensor_parallel"] = parallel.health()
+        if parallel.failed:
+            body["status"] = "error"
+            return JSONResponse(body, status_code=503)
+    return JSONResponse(body)
 
 
 def _model_card(state: AppState) -> dict:

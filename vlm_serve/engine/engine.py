@@ -41,8 +41,12 @@ class Engine:
         vision_cache_size: int = 64,
         warm: bool = False,
         chat_template: str | None = None,
+        parallel=None,
     ):
         self.model_name = model
+        # This process's rank in a tensor-parallel group (vlm_serve.distributed.Rank):
+        # it shards the model, and its scheduler leads or follows the group's turns.
+        self.parallel = parallel
         self.chat_template = chat_template  # replaces the checkpoint's (--chat-template)
         self.warm = warm  # run every path once before reporting ready
         self.vision_cache_size = vision_cache_size
@@ -67,6 +71,10 @@ class Engine:
         if self._load_error is not None:
             raise RuntimeError(f"failed to load model {self.model_name!r}") from self._load_error
 
+    def wait(self) -> None:
+        """Until the worker thread ends (a tensor-parallel follower's whole life)."""
+        self._thread.join()
+
     def shutdown(self) -> None:
         if self.scheduler is not None and self._thread.is_alive():
             self.scheduler.inbox.put(Shutdown())
@@ -80,8 +88,12 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self.loaded = loader.load(self.model_name, self.chat_template)
-            self.scheduler = Scheduler(
+            parallel = self.parallel
+            # A rank loads lazily: only its own shard of the weights is materialised.
+            self.loaded = loader.load(self.model_name, self.chat_template, lazy=parallel is not None)
+            if parallel is not None:
+                parallel.shard(self.loaded)  # before the family fuses the weights it decodes with
+            self.scheduler = (parallel.scheduler_class if parallel is not None else Scheduler)(
                 self.loaded.model,
                 family_for(self.loaded.model, self.vision_cache_size),
                 self.loaded.tokenizer,
@@ -91,6 +103,8 @@ class Engine:
                 self._publish,
                 self.scheduler_config,
             )
+            if parallel is not None:
+                parallel.attach(self.scheduler, self.loaded)
             if self.warm:
                 warm_up(self.loaded, self.scheduler)
         except BaseException as exc:  # noqa: BLE001 - reported to start()
@@ -116,6 +130,22 @@ class Engine:
             self.loaded.model = None
         gc.collect()
         mx.clear_streams()
+
+    def fail_now(self, error: str) -> None:
+        """End every request at once with ``error``, from any thread, without the worker
+        (a tensor-parallel group that failed may leave it stuck in a collective)."""
+        self._aborted = error
+        self.draining = True
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def end() -> None:
+            for request_id, q in list(self._queues.items()):
+                q.put_nowait(GenerationEvent(request_id, finish_reason=FinishReason.ERROR, error=error))
+            self._queues.clear()
+
+        loop.call_soon_threadsafe(end)
 
     # -- requests (event loop thread) ---------------------------------------------------
 

@@ -99,16 +99,21 @@ def read_chat_template(file: Path) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
-def load(model: str, chat_template: str | None = None) -> LoadedModel:
+def load(model: str, chat_template: str | None = None, lazy: bool = False) -> LoadedModel:
     """Load ``model`` (a local directory or a Hugging Face repo id) on this thread;
-    ``chat_template`` (the text of --chat-template) replaces the checkpoint's."""
+    ``chat_template`` (the text of --chat-template) replaces the checkpoint's. ``lazy``
+    leaves the weights unread until evaluated (a tensor-parallel rank shards first)."""
     from mlx_vlm import load as vlm_load
     from mlx_vlm.utils import get_model_path
 
     started = time.monotonic()
     log.info("loading %s", model)  # a repo id may download first
     path = Path(get_model_path(model))
-    vlm_model, processor = vlm_load(str(path))
+    from ..distributed.random_weights import load_unwritten
+
+    # A benchmark preset too large to write (vlm_serve.distributed.random_weights) is
+    # built in memory; anything else is a checkpoint.
+    vlm_model, processor = load_unwritten(path) or vlm_load(str(path), lazy=lazy)
     # One token through the language model: warms up and tells the logits width,
     # which may differ from the tokenizer's size.
     from mlx_vlm.models import cache as vlm_cache
