@@ -4,8 +4,10 @@
 # same requests: one 896x896 image and ~64 text tokens in, 256 tokens out, at
 # concurrency 1, 8, 32, 64, 128. Results (JSON, plot, logs) go to $OUT.
 #   bash bench/gpu/run.sh [preset]        (default gemma3-4b)
-# SERVERS picks the columns (default "envelope vlm-serve mlx-vlm"); SWEEP and PER_LEVEL
-# set the concurrency levels and requests per unit of concurrency.
+# SERVERS picks the columns (default "envelope vlm-serve mlx-vlm"; "vllm-mlx" adds
+# vllm-mlx 0.6's continuous-batching server); SWEEP and PER_LEVEL set the concurrency
+# levels and requests per unit of concurrency; LOAD=text sends ~256-token text chats
+# instead of the image requests.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -37,10 +39,16 @@ wait_up() {  # url pid: wait for the server to answer, or give up if it died
   return 1
 }
 
+if [ "${LOAD:-image}" = text ]; then
+  REQUEST="--images-per-request 0 --prompt-tokens 256"
+else
+  REQUEST="--image-size 896x896 --images-per-request 1 --prompt-tokens 64"
+fi
+
 sweep() {  # label base_url
   python3 bench/serve.py --base-url "$2" --model "$MODEL" --label "$1" \
       --concurrency-sweep "$SWEEP" --num-prompts-per-concurrency "$PER_LEVEL" --warmup 4 \
-      --image-size 896x896 --images-per-request 1 --prompt-tokens 64 --max-tokens 256 \
+      $REQUEST --max-tokens 256 \
       --result-json "$OUT/$1.json" > "$OUT/$1.bench.log" 2>&1
   tail -8 "$OUT/$1.bench.log"
 }
@@ -61,5 +69,13 @@ if has mlx-vlm; then
   kill $pid; wait $pid 2>/dev/null
 fi
 
-python3 bench/plot.py "$OUT"/*-serve.json "$OUT"/mlx-vlm.json -o "$OUT/plot.png" 2>/dev/null || true
+if has vllm-mlx; then
+  HOME=/tmp/vh vllm-mlx serve "$MODEL" --mllm --continuous-batching --offline --port 8001 \
+      > "$OUT/vllm-mlx.server.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8001/v1/models $pid && sweep vllm-mlx http://127.0.0.1:8001/v1
+  kill $pid; wait $pid 2>/dev/null
+fi
+
+python3 bench/plot.py "$OUT"/*-serve.json "$OUT"/mlx-vlm.json "$OUT"/vllm-mlx.json -o "$OUT/plot.png" 2>/dev/null || true
 ls -la "$OUT"
