@@ -25,6 +25,7 @@ from __future__ import annotations
 import hmac
 import io
 import logging
+import os
 import pickle
 import socket
 import struct
@@ -160,7 +161,7 @@ class LeaderChannel:
     def status(self) -> list[dict]:
         now = time.monotonic()
         return [
-            {"rank": rank, "state": s.get("state"), "turn": s.get("turn"),
+            {"rank": rank, "state": s.get("state"), "turn": s.get("turn"), "pid": s.get("pid"),
              "last_heartbeat_s": round(now - s["at"], 3)}
             for rank, s in sorted(self.seen.items())
         ]
@@ -190,7 +191,7 @@ class FollowerChannel:
     def _beat(self) -> None:
         while not self.closing:
             try:
-                send(self.sock, {"turn": self.turn, "state": self.state})
+                send(self.sock, {"turn": self.turn, "state": self.state, "pid": os.getpid()})
             except Exception as exc:  # noqa: BLE001
                 if not self.closing:
                     self.on_fatal(f"rank {self.rank}: lost rank 0 ({type(exc).__name__}: {exc})")
@@ -208,6 +209,17 @@ class FollowerChannel:
             if not self.closing:
                 self.on_fatal(f"rank {self.rank}: {what}")
             raise GroupFailed(what) from exc
+
+    def wait_closed(self, timeout: float) -> None:
+        """Until rank 0 closes the channel: it has released its own MLX work, and a
+        follower leaving earlier would break rank 0's links to it mid-release."""
+        self.closing = True
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                recv(self.sock)
+        except Exception:  # noqa: BLE001 - closed, or gone: either way, done
+            pass
 
     def close(self) -> None:
         self.closing = True

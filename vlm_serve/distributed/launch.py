@@ -22,7 +22,7 @@ import tempfile
 import time
 
 # After one rank ends, how long the others may take to end on their own.
-GRACE_S = 10.0
+GRACE_S = 3.0
 
 
 def _free_ports(n: int) -> list[int]:

@@ -46,5 +46,6 @@ def follow(config: ServerConfig, member) -> None:
         member.channel.closing = True
         sys.exit(f"vlm-serve: rank {member.rank}: error: {exc}")
     engine.wait()
+    member.channel.wait_closed(60)
     member.close()
     log.info("rank %d: stopped", member.rank)
