@@ -112,25 +112,46 @@ def test_cached_prefixes_are_evicted_before_a_request_waits(start_server):
     assert after["kv_memory_peak"] <= sch.memory.limit
 
 
-def test_the_queue_stays_bounded_while_requests_wait_for_memory(small):
-    # Room for one such request at a time; 4 rows + 8 in the queue may be in flight.
-    body = {"messages": user("a long one"), "max_tokens": 40, "ignore_eos": True, "temperature": 0}
-    limit = small.config.max_num_seqs + small.config.max_queue_size
-    with concurrent.futures.ThreadPoolExecutor(limit) as pool:
-        futures = [pool.submit(httpx.post, small.base_url + "/v1/chat/completions", json=body, timeout=120)
-                   for _ in range(limit)]
-        deadline = time.monotonic() + 30
-        while small.engine.in_flight < limit and time.monotonic() < deadline:
+def test_the_queue_stays_bounded_while_requests_wait_for_memory(start_server):
+    server = start_server("gemma3", kv_cache_memory="1MiB", max_num_seqs=4, max_queue_size=8)
+    sch = server.scheduler
+    url = server.base_url + "/v1/chat/completions"
+    # A long request holds most of the budget; short ones cannot fit beside it.
+    long_body = {"messages": user("a long one"), "max_tokens": 1500, "ignore_eos": True,
+                 "stream": True}
+    short = {"messages": user("a short one"), "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    limit = server.config.max_num_seqs + server.config.max_queue_size
+    release = threading.Event()
+
+    def long_request() -> None:
+        with httpx.stream("POST", url, json=long_body, timeout=120) as r:
+            for _ in r.iter_lines():
+                if release.is_set():
+                    return  # the client leaves: the request is cancelled
+
+    def wait_for(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert small.engine.in_flight == limit
-        assert len(small.scheduler.running) < small.config.max_num_seqs  # memory, not rows, holds them
-        r = httpx.post(small.base_url + "/v1/chat/completions", json=body)
+        assert condition()
+
+    with concurrent.futures.ThreadPoolExecutor(limit) as pool:
+        holder = pool.submit(long_request)
+        wait_for(lambda: len(sch.running) == 1)
+        futures = [pool.submit(httpx.post, url, json=short, timeout=120) for _ in range(limit - 1)]
+        wait_for(lambda: server.engine.in_flight == limit)
+        # Memory, not rows, holds them back, and the queue is full: 503.
+        assert len(sch.running) == 1 < server.config.max_num_seqs
+        assert sch.stats()["kv_memory_waits"] >= 1
+        r = httpx.post(url, json=short)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "server_busy"
+        release.set()
+        holder.result()
         results = [f.result() for f in futures]
     assert all(r.status_code == 200 for r in results)
     assert len({r.json()["choices"][0]["message"]["content"] for r in results}) == 1
-    assert small.scheduler.kv_memory_peak <= small.engine.memory.limit
+    assert sch.kv_memory_peak <= server.engine.memory.limit
 
 
 def _soak_requests(model: str) -> list[dict]:
