@@ -268,3 +268,94 @@ def test_followers_end_when_rank_0_dies(model_path, tmp_path):
         assert "rank 1: lost rank 0" in group.log, group.log
     finally:
         group.stop()
+
+
+# -- the control channel itself, on real sockets -------------------------------------------
+
+def _leader_and_follower(timeout: float = 5.0):
+    """A leader channel and a follower channel joined by a real loopback connection."""
+    import socket
+    import threading
+
+    from vlm_serve.distributed import control
+
+    token = b"0123456789abcdef"
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    failures: list[str] = []
+    accepted = {}
+    thread = threading.Thread(target=lambda: accepted.update(
+        control.accept_followers(listener, 2, token, timeout)))
+    thread.start()
+    sock = control.connect_leader("127.0.0.1", port, 1, token, timeout)
+    thread.join()
+    leader = control.LeaderChannel(accepted, timeout, failures.append)
+    follower = control.FollowerChannel(sock, 1, timeout, failures.append)
+    return leader, follower, failures
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert condition()
+
+
+def test_control_channel_carries_plans_and_catches_a_follower_that_went_its_own_way():
+    import numpy as np
+
+    from vlm_serve.distributed.replica import Remove
+    from vlm_serve.engine.scheduler import Submit
+    from vlm_serve.engine.types import FinishReason, PreparedRequest, SamplingParams
+
+    leader, follower, failures = _leader_and_follower()
+    try:
+        request = PreparedRequest("r1", np.arange(5, dtype=np.int32), SamplingParams(seed=3),
+                                  {"pixel_values": np.ones((1, 3, 4, 4), np.float32)}, num_images=1)
+        plan = [Submit(request), Remove("r0", FinishReason.TIMEOUT, "request timed out")]
+        leader.broadcast(plan)
+        got = follower.receive(5)
+        assert got[1] == plan[1] and got[0].request.sampling == request.sampling
+        assert np.array_equal(got[0].request.model_inputs["pixel_values"], request.model_inputs["pixel_values"])
+        # Same tokens before turn 1: heartbeats agree.
+        leader.begin_turn(digest=11)
+        follower.mark = (1, 11)
+        _wait_for(lambda: leader.seen[1].get("turn") == 1)
+        assert not failures
+        # Other tokens before turn 2: rank 0 says so.
+        leader.begin_turn(digest=12)
+        follower.mark = (2, 99)
+        _wait_for(lambda: failures)
+        assert "rank 1 sampled other tokens than rank 0 before turn 2" in failures[0]
+    finally:
+        follower.close()
+        leader.close()
+
+
+def test_control_channel_admits_only_the_group_and_only_plan_types():
+    import pickle
+    import socket
+    import threading
+
+    from vlm_serve.distributed import control
+
+    token = b"0123456789abcdef"
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted = {}
+    thread = threading.Thread(target=lambda: accepted.update(
+        control.accept_followers(listener, 2, token, 10)))
+    thread.start()
+    # A stranger without the token is turned away; the rank with it gets in.
+    with pytest.raises(control.GroupFailed):
+        control.connect_leader("127.0.0.1", port, 1, b"not-the-token!!!", 5)
+    sock = control.connect_leader("127.0.0.1", port, 1, token, 5)
+    thread.join()
+    assert list(accepted) == [1]
+    # A frame that would call anything but plan types does not unpickle.
+    data = pickle.dumps(os.system)
+    accepted[1].sendall(control._HEADER.pack(len(data)) + data)
+    with pytest.raises(pickle.UnpicklingError):
+        control.recv(sock)
+    sock.close()
+    accepted[1].close()

@@ -13,7 +13,10 @@ socket gives what MLX's collectives do not: timeouts, and an end-of-file the mom
 peer dies.
 
 Every failure is fatal to the group (``on_fatal``): a lost or silent follower, a turn
-that runs past the timeout (a rank stuck in a collective), a leader gone quiet.
+that runs past the timeout (a rank stuck in a collective), a leader gone quiet, and a
+follower that sampled other tokens than rank 0 (heartbeats carry a digest of the tokens
+sampled before a turn, which rank 0 checks against its own for that turn: a rank that
+went its own way is caught within a second, before its shapes part from rank 0's).
 
 Frames are length-prefixed pickles. The connection is opened with a random token that
 rank 0 broadcast over the MLX group, so only the group's own ranks can join, and frames
@@ -31,11 +34,13 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
 log = logging.getLogger("vlm_serve.distributed")
 
 HEARTBEAT_S = 1.0
+DIGESTS_KEPT = 1 << 16  # turns whose digest rank 0 keeps for the followers' heartbeats
 _HEADER = struct.Struct("!Q")
 
 
@@ -105,6 +110,7 @@ class LeaderChannel:
         self.seen = {rank: {"at": now, "turn": 0, "state": "connected"} for rank in sockets}
         self.turn = 0
         self.turn_started: float | None = None
+        self.digests: OrderedDict[int, int] = OrderedDict()  # turn -> tokens digest at its start
         for sock in sockets.values():
             sock.settimeout(timeout)  # a follower silent this long is lost
         for rank, sock in sockets.items():
@@ -117,6 +123,11 @@ class LeaderChannel:
             while True:
                 beat = recv(sock)
                 self.seen[rank] = {"at": time.monotonic(), **beat}
+                mine = self.digests.get(beat.get("turn"))
+                if mine is not None and beat.get("digest") != mine and not self.closing:
+                    self.on_fatal(f"rank {rank} sampled other tokens than rank 0 before turn "
+                                  f"{beat['turn']}: the ranks no longer compute the same model")
+                    return
         except Exception as exc:  # noqa: BLE001 - any failure to hear from it is fatal
             if not self.closing:
                 what = "sent nothing" if isinstance(exc, TimeoutError) else "disconnected"
@@ -130,7 +141,7 @@ class LeaderChannel:
                 turns = {rank: s.get("turn") for rank, s in self.seen.items()}
                 self.on_fatal(
                     f"scheduler turn {self.turn} has run for more than {self.timeout:g} s: a "
-                    f"rank is stuck in a collective (turns done by the followers: {turns})")
+                    f"rank is stuck in a collective (turns the followers reached: {turns})")
                 return
             time.sleep(min(1.0, self.timeout / 4))
 
@@ -154,9 +165,13 @@ class LeaderChannel:
                     self.on_fatal(f"cannot send to rank {rank}: {type(exc).__name__}: {exc}")
                 raise GroupFailed(f"rank {rank} is lost") from exc
 
-    def begin_turn(self) -> None:
+    def begin_turn(self, digest: int) -> None:
+        """A turn starts; ``digest`` covers every token sampled before it."""
         self.turn += 1
         self.turn_started = time.monotonic()
+        self.digests[self.turn] = digest
+        if len(self.digests) > DIGESTS_KEPT:
+            self.digests.popitem(last=False)
 
     def status(self) -> list[dict]:
         now = time.monotonic()
@@ -185,13 +200,14 @@ class FollowerChannel:
         self.on_fatal = on_fatal
         self.closing = False
         self.state = "loading"
-        self.turn = 0
+        self.mark = (0, 0)  # (turn started last, digest of the tokens sampled before it)
         threading.Thread(target=self._beat, daemon=True, name="tp-heartbeat").start()
 
     def _beat(self) -> None:
         while not self.closing:
             try:
-                send(self.sock, {"turn": self.turn, "state": self.state, "pid": os.getpid()})
+                turn, digest = self.mark
+                send(self.sock, {"turn": turn, "digest": digest, "state": self.state, "pid": os.getpid()})
             except Exception as exc:  # noqa: BLE001
                 if not self.closing:
                     self.on_fatal(f"rank {self.rank}: lost rank 0 ({type(exc).__name__}: {exc})")
@@ -271,8 +287,11 @@ def connect_leader(host: str, port: int, rank: int, token: bytes, timeout: float
             if time.monotonic() > deadline:
                 raise GroupFailed(f"rank {rank}: cannot reach rank 0 at {host}:{port}") from None
             time.sleep(0.1)
-    send(sock, {"rank": rank, "token": token})
-    answer = recv(sock)
+    try:
+        send(sock, {"rank": rank, "token": token})
+        answer = recv(sock)
+    except (OSError, pickle.UnpicklingError) as exc:
+        raise GroupFailed(f"rank {rank}: {host}:{port} refused this rank ({exc})") from None
     if not (isinstance(answer, dict) and hmac.compare_digest(answer.get("token", b""), token)):
         raise GroupFailed(f"rank {rank}: {host}:{port} is not this group's rank 0")
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

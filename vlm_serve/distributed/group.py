@@ -172,6 +172,7 @@ def _facts(scheduler, loaded) -> dict:
         "vocab_size": loaded.vocab_size,
         "scheduler": asdict(scheduler.config) | {"stats_interval_s": None},
         "family": scheduler.family.describe(),
+        "vision_cache": getattr(getattr(scheduler.family, "vision_cache", None), "size", None),
         "eos": sorted(loaded.eos_token_ids),
     }
 

@@ -16,6 +16,7 @@ that passed becomes a ``Remove`` in the plan). A follower publishes nothing.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 from ..engine.scheduler import Scheduler, Shutdown
@@ -31,7 +32,17 @@ class Remove:
     error: str | None
 
 
-class LeaderScheduler(Scheduler):
+class _Replica(Scheduler):
+    """Keeps a digest of every token sampled, in order, for the heartbeat check."""
+
+    digest = 0
+
+    def _accept(self, state, token, logprob) -> bool:
+        self.digest = zlib.crc32(f"{state.id}:{token};".encode(), self.digest)
+        return super()._accept(state, token, logprob)
+
+
+class LeaderScheduler(_Replica):
     """Rank 0: records the inputs of each turn and sends them before acting on them
     further, so the followers' turn starts while rank 0's runs."""
 
@@ -43,7 +54,7 @@ class LeaderScheduler(Scheduler):
         self._expiring = False
 
     def _take_inputs(self, idle: bool) -> None:
-        self.channel.begin_turn()
+        self.channel.begin_turn(self.digest)
         super()._take_inputs(idle)
         # Messages handled outside a turn (warm-up's submissions) go out with this one.
         plan, self._plan = self._plan, []
@@ -68,13 +79,14 @@ class LeaderScheduler(Scheduler):
         super()._remove(request_id, reason, error)
 
 
-class FollowerScheduler(Scheduler):
+class FollowerScheduler(_Replica):
     """Ranks 1..N-1: each turn takes rank 0's plan as its inputs."""
 
     channel = None  # control.FollowerChannel, set by Rank.attach
     timeout: float | None = None
 
     def _take_inputs(self, idle: bool) -> None:
+        self.channel.mark = (self.channel.mark[0] + 1, self.digest)
         plan = self.channel.receive(self.timeout)
         for msg in plan:
             if isinstance(msg, Remove):
@@ -83,4 +95,3 @@ class FollowerScheduler(Scheduler):
                 if isinstance(msg, Shutdown):
                     self.channel.closing = True
                 self._handle(msg)
-        self.channel.turn += 1
