@@ -86,15 +86,16 @@ class SlotStore:
         columns = -(-needed // COLUMN_STEP) * COLUMN_STEP
         return min(columns, kind.window) if kind.window else columns
 
-    def _resize(self, slots: int, needed_columns: int, dtype) -> None:
+    def _resize(self, slots: int, needed_columns: int, dtype, shrink: bool = False) -> None:
         """Reallocate to ``slots`` slots holding at least ``needed_columns`` positions,
-        keeping the live rows (layers already that size are left alone)."""
+        keeping the live rows (layers already that size are left alone). Columns only
+        grow unless ``shrink``."""
         keys, values = [], []
         for i, kind in enumerate(self.layer_kinds):
             columns = self._columns(kind, needed_columns)
             old = self.keys[i] if self.keys is not None else None
             if old is not None:
-                columns = max(columns, old.shape[2])
+                columns = columns if shrink else max(columns, old.shape[2])
                 if old.shape[0] == slots and old.shape[2] == columns:
                     keys.append(old)
                     values.append(self.values[i])
@@ -102,9 +103,9 @@ class SlotStore:
             shape = (slots, self.kv_heads, columns, self.head_dim)
             k, v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
             if old is not None and self.rows:
-                n, c = self.rows, old.shape[2]
-                k[:n, :, :c] = old[:n]
-                v[:n, :, :c] = self.values[i][:n]
+                n, c = self.rows, min(columns, old.shape[2])
+                k[:n, :, :c] = old[:n, :, :c]
+                v[:n, :, :c] = self.values[i][:n, :, :c]
             keys.append(k)
             values.append(v)
         self.keys, self.values = keys, values
@@ -157,13 +158,22 @@ class SlotStore:
             self.shifts.pop()
         if not order:
             self.reset()
-        elif slot_bucket(len(order)) * 2 < self.slots:
-            self._shrink(slot_bucket(len(order)))
+        else:
+            self._fit(len(order))
         return order
 
-    def _shrink(self, slots: int) -> None:
-        self.keys = [mx.array(k[:slots]) for k in self.keys]
-        self.values = [mx.array(v[:slots]) for v in self.values]
+    def _fit(self, rows: int) -> None:
+        """Give memory back once the rows that needed it have left: half the slots or
+        half the columns unused is reallocated at the size the live rows need."""
+        slots = slot_bucket(rows)
+        needed = max(self.lengths) + 1
+        wide = any(
+            keys.shape[2] > 2 * self._columns(kind, needed)
+            for keys, kind in zip(self.keys, self.layer_kinds)
+        )
+        slots = slots if slots * 2 < self.slots else self.slots
+        if wide or slots < self.slots:
+            self._resize(slots, needed, self.keys[0].dtype, shrink=True)
 
     def reset(self) -> None:
         self.keys = self.values = None
