@@ -217,10 +217,10 @@ def test_ranks_stay_in_step_through_sampling_grammar_and_cancels(groups):
     assert group.health()["status"] == "ok"
 
 
-def _ends_with_error(group: GroupServer, act, expect: str, timeout: float = 60) -> None:
+def _ends_with_error(group: GroupServer, act, *expect: str, timeout: float = 60) -> None:
     """Start a long stream, ``act`` on a rank, and expect the stream to end (an error
     event, or the connection closing as the server exits), the whole group to exit
-    with a failure status and the log to say ``expect``."""
+    with a failure status and the log to say one of ``expect``."""
     from openai import APIError
 
     stream = group.client().chat.completions.create(
@@ -234,7 +234,7 @@ def _ends_with_error(group: GroupServer, act, expect: str, timeout: float = 60) 
     if isinstance(failure.value, APIError) and failure.value.message:
         assert "tensor-parallel group failed" in failure.value.message
     assert group.wait_exit(timeout) != 0
-    assert expect in group.log, group.log
+    assert any(reason in group.log for reason in expect), group.log
 
 
 def test_a_follower_that_dies_ends_the_server(groups):
@@ -250,7 +250,9 @@ def test_a_follower_that_hangs_ends_the_server(groups):
     group = groups.take("gemma3")
     pid = group.follower_pid()
     try:
-        _ends_with_error(group, lambda: os.kill(pid, signal.SIGSTOP), "rank 1 sent nothing")
+        # Whichever notices first: its heartbeats stopped, or rank 0's turn waits on it.
+        _ends_with_error(group, lambda: os.kill(pid, signal.SIGSTOP), "rank 1 sent nothing",
+                         "a rank is stuck in a collective")
     finally:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -51,6 +51,12 @@ def rank_environments(size: int, backend: str, environ=os.environ) -> tuple[list
     fd, hostfile = tempfile.mkstemp(prefix="vlm-serve-ring-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(hosts, f)
+    if not any(k in environ for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+        # The ranks share this machine's cores: a BLAS pool per rank as wide as the
+        # machine spins on cores the other ranks' all-reduces wait for (on 2 cores, a
+        # step measured several times slower).
+        threads = str(max(1, (os.cpu_count() or 1) // size))
+        base |= {"OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
     return [base | {"MLX_RANK": str(r), "MLX_HOSTFILE": hostfile} for r in range(size)], hostfile
 
 
