@@ -22,9 +22,7 @@ from mlx_vlm import load
 sys.path.insert(0, os.path.dirname(__file__))
 from step_breakdown import build_engine_batch, id_limit, plain_step, time_steps  # noqa: E402
 
-from vlm_serve.engine.batch import JoiningRow  # noqa: E402
 from vlm_serve.engine.families import family_for  # noqa: E402
-from vlm_serve.engine.sampling import BatchSampler  # noqa: E402
 from vlm_serve.engine.prefill import Prefill  # noqa: E402
 from vlm_serve.engine.types import PreparedRequest, SamplingParams  # noqa: E402
 
@@ -66,17 +64,9 @@ def check(model, rows: int, context: int, steps: int) -> dict:
             token = mx.argmax(logits, axis=-1)
             out.append(token.item())
         alone.append(out)
-    engine_batch = build_engine_batch(model, 0, context, steps, ragged=True, use_decoder=True)
-    vocab = engine_batch.vocab_size
-    for i, ids in enumerate(prompts):
-        params = SamplingParams(max_tokens=steps, temperature=0.0)
-        prefill = Prefill(model, engine_batch.family, PreparedRequest(f"b{i}", ids, params), 4096)
-        while not prefill.done:
-            prefill.step()
-        sampler = BatchSampler(vocab)
-        sampler.add(params, [])
-        first = sampler.sample(prefill.logits).tokens
-        engine_batch.add([JoiningRow(prefill.cache, sampler, first, prefill.row_state)])
+    engine_batch = build_engine_batch(
+        model, len(prompts), context, steps, ragged=True, use_decoder=True, prompts=prompts
+    )
     together = [[t] for t in engine_batch.next_tokens.tolist()]
     for _ in range(steps - 1):
         for row, t in zip(together, engine_batch.step().tokens.tolist()):

@@ -75,18 +75,24 @@ def plain_step(model, batch, context, steps, array_offset=False) -> float:
 
 
 def build_engine_batch(
-    model, batch: int, context: int, max_tokens: int, ragged: bool, use_decoder: bool = False
+    model, batch: int, context: int, max_tokens: int, ragged: bool, use_decoder: bool = False,
+    prompts: list | None = None,
 ) -> Batch:
     """The engine's own batch of ``batch`` prefilled text rows of about ``context`` tokens
-    (of different lengths when ``ragged``, so the batch caches are left-padded). Without
-    ``use_decoder`` it decodes through the model code on mlx-lm's batch caches."""
+    (of different lengths when ``ragged``, so the batch caches are left-padded), or of
+    the given ``prompts``. Without ``use_decoder`` it decodes through the model code on
+    mlx-lm's batch caches."""
     family = family_for(model)
     family.use_decoder = use_decoder
     vocab = model.language_model(mx.zeros((1, 1), mx.int32)).logits.shape[-1]
     engine_batch = Batch(model, family, vocab)
-    rng = np.random.default_rng(1)
-    for i in range(batch):
-        ids = rng.integers(10, id_limit(model), context - (i % 7 if ragged else 0)).astype(np.int32)
+    if prompts is None:
+        rng = np.random.default_rng(1)
+        prompts = [
+            rng.integers(10, id_limit(model), context - (i % 7 if ragged else 0)).astype(np.int32)
+            for i in range(batch)
+        ]
+    for i, ids in enumerate(prompts):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         prefill = Prefill(model, family, PreparedRequest(f"b{i}", ids, params), 4096)
         while not prefill.done:
