@@ -49,8 +49,7 @@ class StepLayout:
     """What every layer of one kind needs for one decode step."""
 
     write_index: mx.array  # (slots, kv_heads, 1, head_dim): column each row writes
-    mask: mx.array  # (slots, 1, 1, span) bool: keys each row may attend to
-    span: int  # columns attended (a prefix of the store)
+    mask: mx.array  # (slots, 1, 1, span) bool: keys each row may attend to (a prefix)
 
 
 class SlotStore:
@@ -205,7 +204,7 @@ class SlotStore:
             # A ring column i holds a valid key once i <= position (it fills from 0 and
             # then keeps the last `window` positions); a full-attention column the same.
             mask = mx.arange(span)[None, :] <= positions[:, None]
-            layouts[window] = StepLayout(write_index, mask[:, None, None, :], span)
+            layouts[window] = StepLayout(write_index, mask[:, None, None, :])
         return positions, layouts
 
     def rope_positions(self, positions: mx.array) -> mx.array:
