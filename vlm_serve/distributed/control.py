@@ -32,6 +32,7 @@ import os
 import pickle
 import socket
 import struct
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -98,8 +99,9 @@ Fatal = Callable[[str], None]
 
 
 class LeaderChannel:
-    """Rank 0's end: a socket per follower, a reader thread per socket (heartbeats), a
-    watchdog over the turn in progress."""
+    """Rank 0's end: a socket per follower, with a reader thread (heartbeats) and a
+    writer thread (plans: a plan with an image's pixels is megabytes, and the worker
+    goes on with its turn while it is written), and a watchdog over the turn in progress."""
 
     def __init__(self, sockets: dict[int, socket.socket], timeout: float, on_fatal: Fatal):
         self.sockets = sockets
@@ -113,9 +115,15 @@ class LeaderChannel:
         self.digests: OrderedDict[int, int] = OrderedDict()  # turn -> tokens digest at its start
         for sock in sockets.values():
             sock.settimeout(timeout)  # a follower silent this long is lost
+        self.outboxes = {rank: queue.SimpleQueue() for rank in sockets}
+        self.writers = []
         for rank, sock in sockets.items():
             threading.Thread(target=self._read, args=(rank, sock), daemon=True,
                              name=f"tp-heartbeat-{rank}").start()
+            writer = threading.Thread(target=self._write, args=(rank, sock), daemon=True,
+                                      name=f"tp-plans-{rank}")
+            writer.start()
+            self.writers.append(writer)
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
 
     def _read(self, rank: int, sock: socket.socket) -> None:
@@ -133,6 +141,16 @@ class LeaderChannel:
                 what = "sent nothing" if isinstance(exc, TimeoutError) else "disconnected"
                 self.on_fatal(f"rank {rank} {what} ({type(exc).__name__}: {exc}); "
                               f"last heartbeat {time.monotonic() - self.seen[rank]['at']:.1f} s ago")
+
+    def _write(self, rank: int, sock: socket.socket) -> None:
+        outbox = self.outboxes[rank]
+        while (frame := outbox.get()) is not None:
+            try:
+                sock.sendall(frame)
+            except Exception as exc:  # noqa: BLE001
+                if not self.closing:
+                    self.on_fatal(f"cannot send to rank {rank}: {type(exc).__name__}: {exc}")
+                return
 
     def _watch(self) -> None:
         while not self.closing:
@@ -156,14 +174,10 @@ class LeaderChannel:
             time.sleep(0.05)
 
     def broadcast(self, obj: Any) -> None:
+        """Queue ``obj`` for every follower, in order (written by the writer threads)."""
         frame = encode(obj)
-        for rank, sock in self.sockets.items():
-            try:
-                sock.sendall(frame)
-            except Exception as exc:  # noqa: BLE001
-                if not self.closing:
-                    self.on_fatal(f"cannot send to rank {rank}: {type(exc).__name__}: {exc}")
-                raise GroupFailed(f"rank {rank} is lost") from exc
+        for outbox in self.outboxes.values():
+            outbox.put(frame)
 
     def begin_turn(self, digest: int) -> None:
         """A turn starts; ``digest`` covers every token sampled before it."""
@@ -182,7 +196,12 @@ class LeaderChannel:
         ]
 
     def close(self) -> None:
+        """Write what is queued (the last plan says Shutdown), then close."""
         self.closing = True
+        for outbox in self.outboxes.values():
+            outbox.put(None)
+        for writer in self.writers:
+            writer.join(self.timeout)
         for sock in self.sockets.values():
             try:
                 sock.close()

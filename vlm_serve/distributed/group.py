@@ -199,14 +199,16 @@ def join(backend: str | None = None, timeout: float = 120.0, expected_size: int 
 
     host = leader_host()
     listener = None
-    words = np.zeros(5, np.int32)  # port, then a 16-byte token
+    # The port, then a 16-byte token, one number per byte: small integers are exact in
+    # float32, which every backend sums.
+    words = np.zeros(17, np.float32)
     if rank == 0:
         listener = socket.create_server((host, int(os.environ.get("VLM_SERVE_TP_CONTROL_PORT", 0))))
         words[0] = listener.getsockname()[1]
-        words[1:] = np.frombuffer(secrets.token_bytes(16), np.int32)
+        words[1:] = np.frombuffer(secrets.token_bytes(16), np.uint8)
     # Rank 0's word to the others, as MLX carries it: everyone else adds zeros.
-    shared = np.array(mx.distributed.all_sum(mx.array(words), group=group), np.int32)
-    port, token = int(shared[0]), shared[1:].tobytes()
+    shared = np.array(mx.distributed.all_sum(mx.array(words), group=group)).astype(np.int64)
+    port, token = int(shared[0]), bytes(shared[1:].astype(np.uint8))
     if rank == 0:
         sockets = control.accept_followers(listener, size, token, timeout)
         channel = control.LeaderChannel(sockets, timeout, fatal)
