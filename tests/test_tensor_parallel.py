@@ -361,3 +361,46 @@ def test_control_channel_admits_only_the_group_and_only_plan_types():
         control.recv(sock)
     sock.close()
     accepted[1].close()
+
+
+def test_models_that_cannot_be_split_evenly_are_refused_before_loading_a_shard(model_path):
+    """An unverified family, or quantization groups that do not divide among the ranks,
+    is a one-line startup error, not a wrong answer."""
+    from mlx_vlm import load
+
+    from vlm_serve.distributed.shard import CannotShard, check
+    from vlm_serve.fixtures.build import cached_model
+
+    model, _ = load(str(model_path("gemma3")), lazy=True)
+    check(model, 2)
+    with pytest.raises(CannotShard, match="n_kv_heads=2 does not divide into 4 ranks"):
+        check(model, 4)
+    quantized, _ = load(str(cached_model("gemma3", bits=4)), lazy=True)  # 64-wide groups
+    with pytest.raises(CannotShard, match="o_proj has 1 quantization groups per row"):
+        check(quantized, 2)
+    other, _ = load(str(model_path("llava")), lazy=True)
+    with pytest.raises(CannotShard, match="not verified for model type 'llava'"):
+        check(other, 2)
+
+
+def test_two_ranks_answer_as_one_process_quantized(model_path, tmp_path, start_server):
+    """4-bit (32-wide groups, so o/down split evenly): TP=2 against TP=1, greedy."""
+    from vlm_serve.fixtures.build import quantize_model
+
+    quantized = quantize_model(model_path("gemma3"), tmp_path / "q4", bits=4, group_size=32)
+    group = GroupServer(quantized, tmp_path / "log")
+    try:
+        from vlm_serve.config import ServerConfig
+        from conftest import RunningServer
+
+        single = RunningServer(ServerConfig(model=str(quantized), served_model_name="one",
+                                            port=free_port(), log_level="warning", **SETTINGS_KW))
+        try:
+            requests = requests_for("gemma3")
+            tp = concurrently(lambda r: answer(group.client(), "tp", r), requests)
+            one = concurrently(lambda r: answer(single.client(), "one", r), requests)
+            assert tp == one
+        finally:
+            single.stop()
+    finally:
+        group.stop()

@@ -60,6 +60,14 @@ def check(model, size: int) -> None:
         width = mlp.gate_proj.weight.shape[0]
         if width % size:
             raise CannotShard(f"layer {i}: MLP width {width} does not divide into {size} ranks")
+        for name, linear in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
+            # A quantized layer split along its input splits its quantization groups.
+            if isinstance(linear, nn.QuantizedLinear):
+                groups = linear.scales.shape[-1]
+                if groups % size:
+                    raise CannotShard(
+                        f"layer {i}: {name} has {groups} quantization groups per row, which do "
+                        f"not divide into {size} ranks (a smaller --q-group-size would)")
 
 
 def shard_language_model(model, group: mx.distributed.Group) -> None:

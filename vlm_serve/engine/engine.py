@@ -109,6 +109,7 @@ class Engine:
                 warm_up(self.loaded, self.scheduler)
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             self._load_error = exc
+            self._forget_streams()  # else the process aborts at exit, after the error
             self._ready.set()
             return
         self._ready.set()
@@ -116,6 +117,16 @@ class Engine:
             self.scheduler.run()
         finally:
             self._release()
+
+    @staticmethod
+    def _forget_streams() -> None:
+        import mlx.core as mx
+
+        try:
+            mx.synchronize()
+        except Exception:  # noqa: BLE001 - a failed load may leave failed work behind
+            pass
+        mx.clear_streams()
 
     def _release(self) -> None:
         """Finish and free this thread's MLX work before it ends: MLX work or streams
