@@ -134,9 +134,11 @@ class Groups:
 
     def __call__(self, arch: str) -> GroupServer:
         if arch not in self.started:
-            # A timeout short enough to test a hang, long enough for a loaded machine.
+            # A timeout short enough to test a hang, long enough for a loaded machine;
+            # Gemma's group also stops requests after 8 s (rank 0 decides, in its plan).
+            extra = ["--request-timeout", "8"] if arch == "gemma3" else []
             self.started[arch] = GroupServer(self.model_path(arch), self.tmp_dir / f"{arch}.log",
-                                             "--tensor-parallel-timeout", "10")
+                                             "--tensor-parallel-timeout", "10", *extra)
         return self.started[arch]
 
     def take(self, arch: str) -> GroupServer:
@@ -180,9 +182,11 @@ def test_two_ranks_answer_as_one_process(arch, groups, start_server):
     assert "Traceback" not in group.log
 
 
-def test_ranks_stay_in_step_through_sampling_grammar_and_cancels(groups):
-    """Sampled (seeded and not), n > 1, JSON-constrained and cancelled requests run on
-    both ranks alike; greedy answers afterwards still equal those before."""
+def test_ranks_stay_in_step_through_sampling_grammar_cancels_and_timeouts(groups):
+    """Sampled (seeded and not), n > 1, JSON-constrained, cancelled and timed-out
+    requests run on both ranks alike; greedy answers afterwards equal those before."""
+    from openai import APIStatusError
+
     group = groups("gemma3")
     client = group.client()
     probe = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8}
@@ -201,6 +205,12 @@ def test_ranks_stay_in_step_through_sampling_grammar_and_cancels(groups):
                     break
         return "cancelled"
 
+    def timed_out():
+        # Runs until --request-timeout: rank 0's clock ends it, the followers its plan.
+        with pytest.raises(APIStatusError) as failure:
+            chat(temperature=0, max_tokens=100000, extra_body={"ignore_eos": True})
+        return failure.value.status_code
+
     jobs = [
         lambda: chat(temperature=1.0, max_tokens=12),
         lambda: chat(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
@@ -208,9 +218,10 @@ def test_ranks_stay_in_step_through_sampling_grammar_and_cancels(groups):
         lambda: chat(temperature=0.7, max_tokens=30, response_format={"type": "json_object"}),
         cancelled,
         lambda: chat(temperature=0, max_tokens=10, logprobs=True, top_logprobs=3),
+        timed_out,
     ]
     results = concurrently(lambda job: job(), jobs)
-    assert all(results)
+    assert all(results) and results[-1] == 504
     seeded = chat(temperature=0.8, top_p=0.9, seed=7, max_tokens=12)
     assert seeded.choices[0].message.content == results[1].choices[0].message.content
     assert answer(client, "tp", probe) == before
