@@ -22,6 +22,10 @@ def run_rank(config: ServerConfig) -> None:
                       config.tensor_parallel if config.tensor_parallel > 1 else None)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback
         raise StartupError(f"cannot join the tensor-parallel group: {exc}") from None
+    # The ranks usually share one terminal or log: say which one speaks.
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s rank {member.rank} %(levelname)s %(name)s: %(message)s"))
     if member.leader:
         from ..server import run
 
