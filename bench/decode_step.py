@@ -44,9 +44,10 @@ def engine_step(
     return time_steps(step, steps)
 
 
-def check(model, rows: int, context: int, steps: int) -> dict:
-    """Greedy tokens of ``rows`` ragged rows decoded together (engine decode step) and
-    each alone on its own cache through the model code: how many rows agree."""
+def check(model, rows: int, context: int, steps: int, use_decoder: bool = True) -> dict:
+    """Greedy tokens of ``rows`` ragged rows decoded together (the engine decode step,
+    or without ``use_decoder`` the model code on batch caches) and each alone on its
+    own cache through the model code: how many rows agree."""
     lm = model.language_model
     family = family_for(model)
     rng = np.random.default_rng(7)
@@ -65,7 +66,7 @@ def check(model, rows: int, context: int, steps: int) -> dict:
             out.append(token.item())
         alone.append(out)
     engine_batch = build_engine_batch(
-        model, len(prompts), context, steps, ragged=True, use_decoder=True, prompts=prompts
+        model, len(prompts), context, steps, ragged=True, use_decoder=use_decoder, prompts=prompts
     )
     together = [[t] for t in engine_batch.next_tokens.tolist()]
     for _ in range(steps - 1):
@@ -89,11 +90,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=320)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--check", type=int, default=0, help="rows to check instead of timing")
+    p.add_argument("--model-code", action="store_true", help="check the model-code batch path")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model, _ = load(args.model)
     if args.check:
-        result = check(model, args.check, args.context, args.steps)
+        result = check(model, args.check, args.context, args.steps, not args.model_code)
     else:
         result = {"device": str(mx.default_device()), "context": args.context, "steps": {}}
         for b in (int(x) for x in args.batch_sizes.split(",")):
