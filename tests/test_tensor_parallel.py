@@ -95,8 +95,8 @@ class GroupServer:
 def requests_for(arch: str) -> list[dict]:
     """Chat requests of every kind: short and long text, one and two images of
     different sizes, different lengths of answer (rows leave at different steps)."""
-    size = {"gemma3": (28, 28), "qwen2_5_vl": (56, 84)}[arch]
-    big = {"gemma3": (40, 30), "qwen2_5_vl": (112, 112)}[arch]
+    size = {"gemma3": (28, 28), "qwen2_5_vl": (56, 84), "qwen2_vl": (56, 84)}[arch]
+    big = {"gemma3": (40, 30), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112)}[arch]
     image = lambda s, seed: {"type": "image_url", "image_url": {"url": data_url(make_image(*s, seed=seed))}}
     out = []
     for i, text in enumerate(["Hello there.", "Write about a ship.", LONG, "What is two plus two?"]):
@@ -155,7 +155,10 @@ def groups(model_path, tmp_path_factory):
         server.stop()
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2_5_vl"])
+SLOW = pytest.mark.skipif(not os.environ.get("VLM_SERVE_SLOW_TESTS"), reason="VLM_SERVE_SLOW_TESTS=1")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_5_vl", pytest.param("qwen2_vl", marks=SLOW)])
 def test_two_ranks_answer_as_one_process(arch, groups, start_server):
     """Greedy answers to concurrent text and image requests, TP=2 against TP=1."""
     group = groups(arch)
@@ -272,7 +275,7 @@ def test_a_follower_that_hangs_ends_the_server(groups):
         group.stop()
 
 
-@pytest.mark.skipif(not os.environ.get("VLM_SERVE_SLOW_TESTS"), reason="VLM_SERVE_SLOW_TESTS=1")
+@SLOW
 def test_followers_end_when_rank_0_dies(model_path, tmp_path):
     group = GroupServer(model_path("gemma3"), tmp_path / "log", "--tensor-parallel-timeout", "20")
     try:
