@@ -176,10 +176,10 @@ def test_two_ranks_answer_as_one_process(arch, groups, start_server):
     completion = dict(prompt="Once upon a time", max_tokens=9, temperature=0)
     assert (tp_client.completions.create(model="tp", **completion).choices[0].text
             == one_client.completions.create(model=f"tiny-{arch}", **completion).choices[0].text)
-    health = group.health()
-    assert health["status"] == "ok"
-    follower = health["tensor_parallel"]["followers"][0]
-    assert follower["state"] == "serving" and follower["turn"] > 0
+    assert group.health()["status"] == "ok"
+    # The follower's state as its next heartbeat (one a second) tells it.
+    follower = lambda: group.health()["tensor_parallel"]["followers"][0]
+    _wait_for(lambda: follower()["state"] == "serving" and follower()["turn"] > 0)
     # Both ranks decoded through the engine's fused step, not the model-code fallback.
     assert "no engine decode step" not in group.log
     assert "Traceback" not in group.log
