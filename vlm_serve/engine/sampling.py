@@ -1,9 +1,8 @@
 """Vectorised per-row sampling for a batch of running requests.
 
 Every row has its own settings (temperature, top-p/k, min-p, penalties, logit bias,
-seed), held as arrays so one step samples all rows with a handful of MLX ops. The only
-per-row Python work is for rows with a seed (one small key op each) and it does not
-grow with the vocabulary.
+seed), held as arrays so one step samples all rows with a handful of MLX ops, however
+many rows there are and whichever of them carry a seed.
 """
 
 from __future__ import annotations
@@ -14,14 +13,36 @@ import mlx.core as mx
 
 from .types import SamplingParams
 
-_SEED_MASK = (1 << 63) - 1
 LOGPROB_FLOOR = -9999.0
+_MASK64 = (1 << 64) - 1
 
 
-def _row_key(seed: int, position: int) -> mx.array:
-    # A key that depends only on (seed, position): a seeded request samples the same
-    # tokens whether it runs alone or next to other rows.
-    return mx.random.key((seed * 1_000_003 + position * 7_919) & _SEED_MASK)
+def _row_key(seed: int, position: int) -> tuple[int, int]:
+    """Two 32-bit words that depend only on (seed, position) (splitmix64): a seeded
+    request samples the same tokens whether it runs alone or next to other rows."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z & 0xFFFFFFFF, z >> 32
+
+
+def _mix32(h: mx.array) -> mx.array:
+    # MurmurHash3's finalizer on uint32 (multiplication wraps).
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@mx.compile
+def _keyed_gumbel(keys: mx.array, vocab: mx.array) -> mx.array:
+    """Gumbel noise (B, V) from a counter-based hash of each row's key (B, 2) uint32
+    and the token id: one fused computation for the whole batch."""
+    h = _mix32(_mix32(vocab ^ keys[:, :1]) + keys[:, 1:])
+    u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -mx.log(-mx.log(u))
 
 
 @dataclass
@@ -160,16 +181,18 @@ class BatchSampler:
         return logits - a["presence"][:, None] * (self._counts > 0)
 
     def _noise(self, shape: tuple[int, int]) -> mx.array:
-        seeded = [i for i, p in enumerate(self.params) if p.seed is not None]
-        if not seeded:
+        seeded = [p.seed is not None for p in self.params]
+        if not any(seeded):
             return mx.random.gumbel(shape)
-        rows = []
-        for i, p in enumerate(self.params):
-            if p.seed is not None:
-                rows.append(mx.random.gumbel((1, shape[1]), key=_row_key(p.seed, self.positions[i])))
-            else:
-                rows.append(mx.random.gumbel((1, shape[1])))
-        return mx.concatenate(rows)
+        keys = mx.array(
+            [_row_key(p.seed, n) if p.seed is not None else (0, 0)
+             for p, n in zip(self.params, self.positions)],
+            mx.uint32,
+        )
+        if not all(seeded):  # the other rows draw their keys from MLX's generator
+            drawn = mx.random.randint(0, 1 << 31, (shape[0], 2)).astype(mx.uint32)
+            keys = mx.where(mx.array(seeded)[:, None], keys, drawn)
+        return _keyed_gumbel(keys, mx.arange(shape[1], dtype=mx.uint32)[None, :])
 
     def sample(self, logits: mx.array, allowed: mx.array | None = None) -> SampleOutput:
         """Sample one token per row from ``logits`` of shape (B, V); ``allowed`` (B, V)
