@@ -24,9 +24,17 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 COLUMN_STEP = 256  # columns are added in steps of this many (as mlx-lm's caches do)
-# Steps attend to a prefix of the columns, rounded up to this many: shapes stay the same
-# for a while (reused kernels and graphs) without reading much past the longest row.
+# Steps attend to a prefix of the columns, rounded up to at least this many.
 SPAN_STEP = 32
+
+
+def attention_span(longest: int) -> int:
+    """Columns a step attends to for rows up to ``longest`` positions: rounded up to an
+    eighth of its power of two (at least SPAN_STEP), so a step reads at most ~1/8 past
+    the longest row and shapes (compiled traces, kernels) repeat: about 8 distinct spans
+    per doubling of the context."""
+    step = max(SPAN_STEP, (1 << (max(longest - 1, 1).bit_length() - 1)) // 8)
+    return -(-longest // step) * step
 _SLOT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -193,10 +201,10 @@ class SlotStore:
         for window in self.kinds:
             if window:
                 columns = [p % window for p in self.lengths] + padding
-                span = min(window, -(-longest // SPAN_STEP) * SPAN_STEP)
+                span = min(window, attention_span(longest))
             else:
                 columns = self.lengths + padding
-                span = -(-longest // SPAN_STEP) * SPAN_STEP
+                span = attention_span(longest)
             column = mx.array(columns, mx.int32)
             write_index = mx.broadcast_to(
                 column[:, None, None, None], (self.slots, self.kv_heads, 1, self.head_dim)
