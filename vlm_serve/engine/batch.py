@@ -55,9 +55,10 @@ class Batch:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
     def add(self, rows: list[JoiningRow]) -> None:
-        """Append prefilled rows. They are merged among themselves first (KVCache.merge /
-        RotatingKVCache.merge build the matching batch caches), so the running batch's
-        caches are copied once per join, not once per row."""
+        """Append prefilled rows: copied into free slots of the store, or, on the batch
+        caches, merged among themselves first (KVCache.merge / RotatingKVCache.merge
+        build the matching batch caches) so the running batch's caches are copied once
+        per join, not once per row."""
         if not rows:
             return
         if self.store is not None:
