@@ -42,7 +42,9 @@ def time_steps(step, steps: int) -> float:
 def id_limit(model) -> int:
     """An upper bound for random prompt token ids: within the vocabulary (an id past
     it reads outside the embedding table), and away from the tiny fixtures' specials."""
-    return min(1000, model.language_model.model.embed_tokens.weight.shape[0])
+    lm = model.language_model
+    text = lm.model if "model" in lm else lm  # Idefics3's language model holds its layers
+    return min(1000, text.embed_tokens.weight.shape[0])
 
 
 class ArrayOffset:

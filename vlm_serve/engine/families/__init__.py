@@ -12,6 +12,7 @@ import logging
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
 from .glm4v import Glm4V
+from .llama_text import LlamaText
 from .mllama import Mllama
 from .paligemma import PaliGemma
 from .phi3_v import Phi3V
@@ -34,10 +35,11 @@ FAMILIES: dict[str, type[Family]] = {
     # No per-request state beyond the batch caches: the plain family batches them.
     "mistral3": Family,
     "kimi_vl": Family,
-    "llava": Family,
-    "idefics3": Family,
-    "smolvlm": Family,
-    "internvl_chat": Family,
+    # ... and the engine's own decode step runs their Llama-shaped text models.
+    "llava": LlamaText,
+    "idefics3": LlamaText,
+    "smolvlm": LlamaText,
+    "internvl_chat": LlamaText,
 }
 
 
