@@ -4,7 +4,8 @@ what they share). A family without one decodes through mlx-vlm's model code on m
 batch caches."""
 
 from .gemma3 import Gemma3Decoder
+from .llama import LlamaDecoder
 from .qwen2 import Qwen2Decoder
 from .store import SlotStore
 
-__all__ = ["Gemma3Decoder", "Qwen2Decoder", "SlotStore"]
+__all__ = ["Gemma3Decoder", "LlamaDecoder", "Qwen2Decoder", "SlotStore"]
