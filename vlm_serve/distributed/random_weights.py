@@ -61,21 +61,9 @@ def _preset(arch: str, name: str):
 def write_unwritten(arch: str, preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     """A model directory without weights, as the fixture builder writes one with."""
     from vlm_serve.fixtures.base import write_json
-    from vlm_serve.fixtures.build import FAMILIES
-    from vlm_serve.fixtures.tokenizer import pad_vocab, to_hf, train_bpe
+    from vlm_serve.fixtures.build import write_model_files
 
-    family, p = FAMILIES[arch], _preset(arch, preset)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = family.token_spec()
-    tok = train_bpe(spec)
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    if p.vocab_size is not None:
-        tok, vocab_size = pad_vocab(tok, p.vocab_size), p.vocab_size
-    config = family.make_config(p, tok, vocab_size)
-    write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", family.generation_config(config))
-    family.save_processor(out, to_hf(tok, spec), config, p)
+    out, _, p, _ = write_model_files(arch, out_dir, _preset(arch, preset))
     write_json(out / MARKER, {"arch": arch, "preset": preset, "seed": seed, "dtype": p.dtype})
     return out
 
