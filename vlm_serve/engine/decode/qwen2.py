@@ -1,5 +1,5 @@
-"""The decode step of Qwen2-VL and Qwen2.5-VL's language model: the Llama-shaped step
-(``llama.py``) with their positions.
+"""The decode step of Qwen2-VL, Qwen2.5-VL and Qwen3-VL's language models: the
+Llama-shaped step (``llama.py``, with Qwen3's q/k RMSNorm) with their positions.
 
 At decode time a row's three mRoPE axes all hold the same position (its token count
 plus the row's ``rope_delta``, which an image in its prompt sets), and 3-axis rotary

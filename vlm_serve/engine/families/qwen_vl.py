@@ -44,16 +44,15 @@ class QwenVL(Family):
         return row["rope_delta"]
 
 
-
 class Qwen3VL(QwenVL):
     """Qwen3-VL: mRoPE as Qwen2.5-VL, plus DeepStack image features added to the first
     layers' hidden states during prefill. Its prefill runs on the request's own cache,
     where the model slices the DeepStack rows by the cache offset itself. mlx-vlm drops
     the DeepStack features when given ``cached_image_features``, so the vision-feature
-    cache stays off for this family: the tower runs for every request."""
+    cache stays off for this family: the tower runs for every request. Decoding needs
+    none of that (its text model is Qwen2's with q/k RMSNorm): the same decode step."""
 
     name = "qwen3-vl"
-    decoder_class = None  # its language model differs (q/k norms, DeepStack): model code
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return None
