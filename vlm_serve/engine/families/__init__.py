@@ -12,7 +12,7 @@ import logging
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
 from .glm4v import Glm4V
-from .llama_text import LlamaText
+from .llama_text import LlamaText, Mistral3
 from .mllama import Mllama
 from .paligemma import PaliGemma
 from .phi3_v import Phi3V
@@ -33,9 +33,9 @@ FAMILIES: dict[str, type[Family]] = {
     "mllama": Mllama,
     "phi3_v": Phi3V,
     # No per-request state beyond the batch caches: the plain family batches them.
-    "mistral3": Family,
     "kimi_vl": Family,
     # ... and the engine's own decode step runs their Llama-shaped text models.
+    "mistral3": Mistral3,
     "llava": LlamaText,
     "idefics3": LlamaText,
     "smolvlm": LlamaText,

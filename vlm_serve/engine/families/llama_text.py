@@ -1,5 +1,6 @@
-"""Models whose language model is Llama-shaped (LLaVA, Idefics3, SmolVLM, InternVL):
-nothing per request beyond the batch, and the engine's Llama-shaped decode step."""
+"""Models whose language model is Llama-shaped (LLaVA, Idefics3, SmolVLM, InternVL,
+Mistral 3): nothing per request beyond the batch, and the engine's Llama-shaped decode
+step."""
 
 from __future__ import annotations
 
@@ -10,3 +11,15 @@ from .base import Family
 class LlamaText(Family):
     name = "llama-text"
     decoder_class = LlamaDecoder
+
+
+class Mistral3(LlamaText):
+    """Mistral 3 (Pixtral's Mistral text model: Llama-shaped). Its Ministral 3 (sliding
+    windows, Llama 4 attention scaling) and Mistral 4 (mixture of experts) text models
+    decode through the model code."""
+
+    name = "mistral3"
+
+    def __init__(self, model, vision_cache_size: int = 64):
+        super().__init__(model, vision_cache_size)
+        self.use_decoder = type(model.language_model.model).__name__ == "Mistral"
