@@ -150,8 +150,18 @@ def test_every_format_is_enforced(served, fmt, tool_choice, seed):
     ask(served(fmt), f"tiny-{SERVED[fmt][0]}", tool_choice, seed, allowed)
 
 
-def test_required_without_a_known_format_is_refused(start_server):
-    server = start_server("kimi_vl")  # its template takes tools but names no call format
+# Renders the tools it is given, but asks for no call format of any parser.
+_TOOLS_WITHOUT_FORMAT = (
+    "{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_required_without_a_known_format_is_refused(start_server, tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text(_TOOLS_WITHOUT_FORMAT)
+    server = start_server("kimi_vl", chat_template=str(template))
     assert server.app.state.vlm.tool_parser is None
     client = server.client()
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
@@ -203,3 +213,17 @@ def test_every_parsed_format_is_enforced_and_auto_is_not():
         assert enforces(fmt, "required") and enforces(fmt, named)
         assert not enforces(fmt, "auto") and not enforces(fmt, "none")
     assert not enforces(None, "required")
+
+
+def test_a_template_that_only_mentions_tools_gets_the_tool_code_prompt(start_server):
+    # Kimi-VL's template says "no tools" in a comment and renders none: the tools go
+    # into the prompt as tool_code instructions, and tool_choice is enforced in that form.
+    server = start_server("kimi_vl")
+    assert server.app.state.vlm.tool_parser is not None
+    client = server.client()
+    out = client.chat.completions.create(
+        model="tiny-kimi_vl", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200,
+    )
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name in {"get_weather", "get_time"}

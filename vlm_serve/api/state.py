@@ -15,7 +15,6 @@ from ..engine.types import PreparedRequest
 from ..preprocess.image_cache import ImageCache
 from ..preprocess.media import MediaError, MediaPolicy, PixelBudget
 from ..preprocess.prompt import PromptContext, PromptError
-from ..preprocess.tool_prompt import template_handles_tools
 from .errors import APIError, bad_request
 from .schemas import decode_json
 from .metrics import Metrics
@@ -58,7 +57,7 @@ class AppState:
         )
         self.started = int(time.time())
         fmt = config.tool_call_parser or detect_parser(self.loaded.chat_template, self.loaded.model_type)
-        if fmt is None and not template_handles_tools(self.loaded.chat_template):
+        if fmt is None and not self.prompt_context.chat_format.handles_tools:
             fmt = "gemma3"  # such templates get the tool_code prompt: parse what it asks for
         self.tool_parser = get_parser(fmt) if fmt else None
         self.reasoning = GEMMA4 if self.loaded.model_type.startswith("gemma4") else None

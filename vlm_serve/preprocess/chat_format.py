@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from .tool_prompt import text_of
 
 _PROBE = "zq7 probe words"
+# A function no template mentions unless it renders the tools it is given.
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "vlm_serve_probe_function", "description": "Probe.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+}}
 # Families whose templates take images as numbered placeholders inside string content.
 _NUMBERED_IMAGES = {"phi3_v": "<|image_{n}|>\n", "phi4mm": "<|image_{n}|>\n"}
 
@@ -29,6 +34,7 @@ class ChatFormat:
     list_roles: frozenset = frozenset()  # roles whose text content must be a list of parts
     images_as_text: bool = False  # images go into string content as placeholders
     variables: frozenset = frozenset()  # names the template reads from its context
+    handles_tools: bool = False  # the template renders the request's tools itself
 
     @classmethod
     def detect(cls, tokenizer, template: str | None, model_type: str = "") -> "ChatFormat":
@@ -57,6 +63,13 @@ class ChatFormat:
                     list_roles.add(role)
                 elif role == "user":
                     raise TemplateError("the chat template drops the text of user messages in any shape")
+        user = in_turn("user", _PROBE if "user" not in list_roles else [{"type": "text", "text": _PROBE}])
+        try:  # a template that knows tools writes their definitions into the prompt
+            handles_tools = _PROBE_TOOL["function"]["name"] in _apply(
+                tokenizer, template, user, tools=[_PROBE_TOOL]
+            )
+        except Exception:  # noqa: BLE001 - a template that cannot take tools
+            handles_tools = False
         as_list = renders([{"role": "user", "content": [{"type": "text", "text": _PROBE}]}])
         with_image = renders([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _PROBE}]}])
         return cls(
@@ -65,6 +78,7 @@ class ChatFormat:
             list_roles=frozenset(list_roles),
             images_as_text=with_image is None or with_image == as_list,
             variables=template_variables(template),
+            handles_tools=handles_tools,
         )
 
     def shape(self, messages: list[dict]) -> list[dict]:

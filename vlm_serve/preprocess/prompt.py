@@ -19,7 +19,7 @@ from ..engine.types import PreparedRequest, SamplingParams
 from .chat_format import ChatFormat, processor_template
 from .image_cache import CachingProcessor, ImageCache
 from .media import MediaError, MediaPolicy, PixelBudget, cache_digest, load_image
-from .tool_prompt import inline_tools, template_handles_tools, text_of
+from .tool_prompt import inline_tools, text_of
 
 
 class PromptError(ValueError):
@@ -226,7 +226,7 @@ def prepare_chat(
         images = [load_chat_image(ctx, ref, budget) for ref in chat_images(ctx, messages)]
     hf_messages, _ = _template_messages(messages)
     uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
-    if uses_tools and not template_handles_tools(ctx.chat_template):
+    if uses_tools and not ctx.chat_format.handles_tools:
         hf_messages, tools = inline_tools(hf_messages, tools or []), None
     prompt = render_chat(ctx, hf_messages, tools, template_kwargs, add_generation_prompt)
     return prepare_prompt(ctx, request_id, prompt, sampling, images)

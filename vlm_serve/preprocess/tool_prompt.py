@@ -18,10 +18,6 @@ _INSTRUCTIONS = (
 )
 
 
-def template_handles_tools(chat_template: str | None) -> bool:
-    return bool(chat_template) and "tools" in chat_template
-
-
 def _python_call(call: dict) -> str:
     function = call.get("function") or {}
     args = function.get("arguments")
