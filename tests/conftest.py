@@ -47,6 +47,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class OneFault:
+    """A scheduler fault hook that raises once in ``phase``; ``fired.clear()`` rearms it."""
+
+    def __init__(self, phase: str = "decode"):
+        self.phase = phase
+        self.fired = threading.Event()
+
+    def __call__(self, phase: str, states) -> None:
+        if phase == self.phase and not self.fired.is_set():
+            self.fired.set()
+            raise RuntimeError("injected fault")
+
+
 class RunningServer:
     """The real app under Hypercorn on a loopback port, in a background thread."""
 

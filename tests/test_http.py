@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from conftest import data_url, make_image
+from conftest import OneFault, data_url, make_image
 
 
 @pytest.fixture(scope="module")
@@ -141,20 +140,14 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
 
 def test_fault_in_decode_step_fails_its_rows_and_server_recovers(server):
     client = server.client(max_retries=0)  # the client would retry a 500 by default
-    fired = threading.Event()
-
-    def fault(phase, states):
-        if phase == "decode" and not fired.is_set():
-            fired.set()
-            raise RuntimeError("injected fault")
-
+    fault = OneFault("decode")
     server.scheduler.fault_hook = fault
     try:
         with pytest.raises(openai.InternalServerError) as info:
             chat(client, [{"role": "user", "content": "boom"}], max_tokens=20)
         assert "injected fault" in str(info.value)
         # Streaming: an error event, then [DONE].
-        fired.clear()
+        fault.fired.clear()
         with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "boom"}], "max_tokens": 20, "stream": True,
         }) as r:

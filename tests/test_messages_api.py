@@ -7,14 +7,13 @@ import base64
 import concurrent.futures
 import io
 import json
-import threading
 import time
 
 import anthropic
 import httpx
 import pytest
 
-from conftest import data_url, make_image
+from conftest import OneFault, data_url, make_image
 from test_tool_calls import WEATHER_TOOL, _answer_ids, steer_to
 from vlm_serve.engine import sampling
 
@@ -339,19 +338,13 @@ def test_error_statuses_and_types_are_anthropics(start_server):
         client.messages.create(**{**ask, "messages": [{"role": "user", "content": "x" * 5000}]})
     assert anthropic_error(info) == (413, "request_too_large")
     # 500: generation fails; streamed, an `error` event the SDK raises from.
-    fired = threading.Event()
-
-    def fault(phase, states):
-        if phase == "decode" and not fired.is_set():
-            fired.set()
-            raise RuntimeError("injected fault")
-
+    fault = OneFault("decode")
     server.scheduler.fault_hook = fault
     try:
         with pytest.raises(anthropic.InternalServerError) as info:
             client.messages.create(**ask)
         assert anthropic_error(info) == (500, "api_error") and "injected fault" in info.value.body["error"]["message"]
-        fired.clear()
+        fault.fired.clear()
         with pytest.raises(anthropic.APIStatusError) as info:
             list(client.messages.create(**ask, stream=True))
         assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "api_error"

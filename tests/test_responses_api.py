@@ -5,13 +5,12 @@ tool history, function tools, structured output, and errors naming the Responses
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import openai
 import pytest
 
-from conftest import data_url, make_image
+from conftest import OneFault, data_url, make_image
 from test_structured import SCHEMA, check
 from test_tool_calls import steer_to
 
@@ -301,18 +300,12 @@ def test_json_schema_text_format(serve):
 
 def test_failure_mid_stream_is_response_failed(serve):
     server = serve()
-    fired = threading.Event()
-
-    def fault(phase, states):
-        if phase == "decode" and not fired.is_set():
-            fired.set()
-            raise RuntimeError("injected fault")
-
+    fault = OneFault("decode")
     server.scheduler.fault_hook = fault
     try:
         with pytest.raises(openai.InternalServerError, match="injected fault"):
             server.client(max_retries=0).responses.create(model="tiny-gemma3", input="boom", max_output_tokens=20)
-        fired.clear()
+        fault.fired.clear()
         events = list(server.client().responses.create(model="tiny-gemma3", input="boom", max_output_tokens=20,
                                                        stream=True))
     finally:
