@@ -26,6 +26,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .batch import Batch, JoiningRow
+from .decode.store import slot_bucket
 from .detokenize import TextAssembler
 from .families import Family
 from .grammar import GrammarCompiler, allowed_tokens
@@ -210,7 +211,7 @@ class Scheduler:
     def _held(self) -> Held:
         """What the batch keeps allocated while rows live (a slot store's slots and
         full-attention columns), beyond what its rows need."""
-        store = getattr(self.batch, "store", None)
+        store = self.batch.store
         if store is None or not store.keys:
             return Held()
         columns = [k.shape[2] for k, kind in zip(store.keys, store.layer_kinds) if kind.window is None]
@@ -678,8 +679,4 @@ class Scheduler:
 def _slot_count(batch) -> Callable[[int], int]:
     """How many slots the batch allocates for a number of rows: a slot store rounds up
     to its buckets; mlx-lm's batch caches hold exactly the rows."""
-    if getattr(batch, "store", None) is None:
-        return lambda rows: rows
-    from .decode import store
-
-    return getattr(store, "slot_bucket", lambda rows: 2 * rows)
+    return slot_bucket if batch.store is not None else (lambda rows: rows)
