@@ -98,12 +98,13 @@ class Batch:
             return []
         if self.store is not None:
             indices = self.store.keep(indices)
-        else:
+        idx = mx.array(indices, mx.int32)
+        if self.store is None:
             for c in self.cache:
-                c.filter(mx.array(indices, mx.int32))
+                c.filter(idx)
         self.sampler.keep(indices)
         self.row_states = [self.row_states[i] for i in indices]
-        self.next_tokens = self.next_tokens[mx.array(indices, mx.int32)]
+        self.next_tokens = self.next_tokens[idx]
         return indices
 
     def reset(self) -> None:
