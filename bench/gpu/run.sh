@@ -70,7 +70,10 @@ if has mlx-vlm; then
 fi
 
 if has vllm-mlx; then
+  # Its decode batch is capped at --completion-batch-size (default 32): let it batch as
+  # many rows as the sweep sends, as vlm-serve does.
   HOME=/tmp/vh vllm-mlx serve "$MODEL" --mllm --continuous-batching --offline --port 8001 \
+      --max-num-seqs 128 --completion-batch-size 128 \
       > "$OUT/vllm-mlx.server.log" 2>&1 &
   pid=$!
   wait_up http://127.0.0.1:8001/v1/models $pid && sweep vllm-mlx http://127.0.0.1:8001/v1

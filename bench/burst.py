@@ -1,0 +1,126 @@
+"""A burst of image requests, engine only (no HTTP): vlm-serve's engine against mlx-vlm's
+``batch_generate`` (its BatchGenerator), same model, same images and prompts.
+
+Every request is one image and ~64 words of text, greedy, a fixed output length. The
+clock starts when the requests are handed over, preprocessing included for both. Run
+each engine in its own process:
+
+    python bench/burst.py --model DIR --engine vlm-serve --requests 64 --max-tokens 256
+    python bench/burst.py --model DIR --engine mlx-vlm   --requests 64 --max-tokens 256
+
+vlm-serve reports each request's time to first token. ``batch_generate`` returns only
+when every request is done and times its prompt and decode phases; its first tokens all
+come out of one batched prefill, so its TTFT is estimated as the wall time before its
+decode phase (``wall - generation_time``), the same for every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import numpy as np
+from PIL import Image
+
+TEXT = " ".join(["describe the picture in detail"] * 12)
+
+
+def images(n: int, size: int, seed: int) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def run_vlm_serve(args) -> dict:
+    from vlm_serve.engine.engine import Engine
+    from vlm_serve.engine.scheduler import SchedulerConfig
+    from vlm_serve.engine.types import SamplingParams
+    from vlm_serve.preprocess.media import MediaPolicy
+    from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+    engine = Engine(args.model, SchedulerConfig(max_num_seqs=args.requests))
+    engine.start()
+    loaded = engine.loaded
+    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
+    prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def burst(batch: list[Image.Image]) -> tuple[list[float], int]:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+
+        async def one(i: int, image: Image.Image) -> tuple[float, int]:
+            # Preprocessing runs off the event loop, as the server does it.
+            prepared = await loop.run_in_executor(None, prepare_prompt, ctx, f"r{i}", prompt, params, [image])
+            first, n = None, 0
+            async for event in engine.submit(prepared):
+                if first is None and event.token_ids:
+                    first = time.perf_counter() - start
+                n += len(event.token_ids)
+            return first, n
+
+        done = await asyncio.gather(*(one(i, im) for i, im in enumerate(batch)))
+        return [d[0] for d in done], sum(d[1] for d in done)
+
+    asyncio.run(burst(images(4, args.image_size, 1)))  # warm-up
+    batch = images(args.requests, args.image_size, 0)
+    t = time.perf_counter()
+    ttfts, tokens = asyncio.run(burst(batch))
+    wall = time.perf_counter() - t
+    engine.shutdown()
+    return {"tokens": tokens, "wall_s": wall, "ttft_mean_s": float(np.mean(ttfts)),
+            "ttft_p50_s": float(np.median(ttfts)), "ttft_max_s": float(np.max(ttfts))}
+
+
+def run_mlx_vlm(args) -> dict:
+    import mlx_vlm.utils
+    from mlx_vlm import batch_generate, load
+
+    model, processor = load(args.model)
+    # transformers 5 reads a flat list of images as one prompt's images and refuses a
+    # batch of prompts with one image each; hand it one list per prompt.
+    process = mlx_vlm.utils.process_inputs_with_fallback
+
+    def one_image_list_per_prompt(processor, prompts, images, audio, **kwargs):
+        if isinstance(images, list) and isinstance(prompts, list) and len(images) == len(prompts):
+            images = [[image] for image in images]
+        return process(processor, prompts, images, audio, **kwargs)
+
+    mlx_vlm.utils.process_inputs_with_fallback = one_image_list_per_prompt
+
+    def burst(batch: list[Image.Image]):
+        return batch_generate(model, processor, images=batch, prompts=[TEXT] * len(batch),
+                              max_tokens=args.max_tokens)  # greedy by default
+
+    burst(images(4, args.image_size, 1))  # warm-up
+    batch = images(args.requests, args.image_size, 0)
+    t = time.perf_counter()
+    response = burst(batch)
+    wall = time.perf_counter() - t
+    stats = response.stats
+    ttft = wall - stats.generation_time
+    return {"tokens": stats.generation_tokens, "wall_s": wall, "ttft_mean_s": ttft,
+            "prompt_time_s": stats.prompt_time, "generation_time_s": stats.generation_time}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", choices=("vlm-serve", "mlx-vlm"), required=True)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--image-size", type=int, default=896)
+    p.add_argument("--result-json")
+    args = p.parse_args()
+    result = run_vlm_serve(args) if args.engine == "vlm-serve" else run_mlx_vlm(args)
+    result = {"engine": args.engine, "requests": args.requests, "max_tokens": args.max_tokens,
+              **result, "output_tok_s": result["tokens"] / result["wall_s"]}
+    print(json.dumps(result, indent=2))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
