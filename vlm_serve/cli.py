@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 2048 on a GPU, 512 on the CPU")
     g.add_argument("--vision-cache-size", type=int, default=d.vision_cache_size,
                    help="image sets whose vision features are kept for reuse (0: off)")
+    g.add_argument("--vision-cache-gb", type=float, default=d.vision_cache_gb,
+                   help="memory cap of the vision-feature cache")
     g.add_argument("--image-cache-size", type=int, default=d.image_cache_size,
                    help="images kept decoded and processed, so a resent image skips both "
                         "(entries: an image, or one request's images processed; 0: off)")

@@ -26,7 +26,8 @@ class ServerConfig:
     default_max_tokens: int = 1024
     prefill_step_size: int = 512
     prefill_token_budget: int | None = None  # None: 2048 on a GPU, 512 on the CPU
-    vision_cache_size: int = 64
+    vision_cache_size: int = 64  # image sets whose vision features are kept (0: off) ...
+    vision_cache_gb: float = 1.0  # ... and their memory
     image_cache_size: int = 64  # loaded and processed images kept, entries (0: off) ...
     image_cache_gb: float = 1.0  # ... and memory
     prefix_cache_size: int = 16

@@ -91,6 +91,7 @@ def build_engine(config: ServerConfig, parallel=None) -> Engine:
         ),
         max_queue=config.max_queue_size,
         vision_cache_size=config.vision_cache_size,
+        vision_cache_bytes=int(config.vision_cache_gb * (1 << 30)),
         warm=config.warmup if config.warmup is not None else on_gpu(),
         chat_template=chat_template,
         parallel=parallel,

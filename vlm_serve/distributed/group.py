@@ -172,9 +172,14 @@ def _facts(scheduler, loaded) -> dict:
         "vocab_size": loaded.vocab_size,
         "scheduler": asdict(scheduler.config) | {"stats_interval_s": None},
         "family": scheduler.family.describe(),
-        "vision_cache": getattr(getattr(scheduler.family, "vision_cache", None), "size", None),
+        "vision_cache": _vision_cache_bounds(scheduler.family),
         "eos": sorted(loaded.eos_token_ids),
     }
+
+
+def _vision_cache_bounds(family) -> tuple[int, int] | None:
+    cache = getattr(family, "vision_cache", None)
+    return None if cache is None else (cache.size, cache.max_bytes)
 
 
 def join(backend: str | None = None, timeout: float = 120.0, expected_size: int | None = None) -> Rank:

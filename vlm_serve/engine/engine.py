@@ -19,6 +19,7 @@ from .families import family_for
 from .memory import KVBudget
 from .scheduler import Abort, Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
 from .types import FinishReason, GenerationEvent, PreparedRequest
+from .vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES, VisionCache
 from .warmup import warm_up
 
 log = logging.getLogger("vlm_serve.engine")
@@ -39,6 +40,7 @@ class Engine:
         scheduler_config: SchedulerConfig,
         max_queue: int = 256,
         vision_cache_size: int = 64,
+        vision_cache_bytes: int = DEFAULT_VISION_CACHE_BYTES,
         warm: bool = False,
         chat_template: str | None = None,
         parallel=None,
@@ -50,6 +52,7 @@ class Engine:
         self.chat_template = chat_template  # replaces the checkpoint's (--chat-template)
         self.warm = warm  # run every path once before reporting ready
         self.vision_cache_size = vision_cache_size
+        self.vision_cache_bytes = vision_cache_bytes
         self.scheduler_config = scheduler_config
         self.max_queue = max_queue
         self.loaded: loader.LoadedModel | None = None
@@ -93,9 +96,12 @@ class Engine:
             self.loaded = loader.load(self.model_name, self.chat_template, lazy=parallel is not None)
             if parallel is not None:
                 parallel.shard(self.loaded)  # before the family fuses the weights it decodes with
+            family = family_for(self.loaded.model, self.vision_cache_size)
+            # A family builds its cache with the entry bound; the byte bound is the server's.
+            family.vision_cache = VisionCache(self.vision_cache_size, self.vision_cache_bytes)
             self.scheduler = (parallel.scheduler_class if parallel is not None else Scheduler)(
                 self.loaded.model,
-                family_for(self.loaded.model, self.vision_cache_size),
+                family,
                 self.loaded.tokenizer,
                 self.loaded.detokenizer,
                 self.loaded.eos_token_ids,

@@ -34,7 +34,8 @@ from mlx.utils import tree_flatten
 log = logging.getLogger("vlm_serve.engine")
 
 # With no --kv-cache-memory: this share of the device's memory, less the weights. The
-# rest is left to activations, the vision tower and the system.
+# rest is left to activations, the vision tower, the vision-feature cache (bounded on
+# its own, --vision-cache-gb) and the system.
 DEFAULT_FRACTION = 0.8
 # A default that leaves less than this share of the device's memory for KV means the
 # weights barely fit; serve anyway with this share rather than none.

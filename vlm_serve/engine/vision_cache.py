@@ -3,28 +3,54 @@ image every turn runs the vision tower once."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from mlx.utils import tree_flatten
+
+from ..lru import SizedLRU
+
+# The byte bound when none is given (--vision-cache-gb's default).
+DEFAULT_MAX_BYTES = 1 << 30
 
 
 class VisionCache:
-    """Features keyed by the request's image digests, least recently used out first.
-    A family may store any value its encoder returns (an array, or a tuple of them)."""
+    """Features keyed by the request's image digests, least recently used out first,
+    bounded by entries (``--vision-cache-size``) and by the bytes of their arrays
+    (``--vision-cache-gb``). A family may store any value its encoder returns (an
+    array, or a tuple of them)."""
 
-    def __init__(self, size: int):
-        self.size = size
-        self._entries: OrderedDict[tuple, object] = OrderedDict()
-        self.hits = 0
+    def __init__(self, size: int, max_bytes: int = DEFAULT_MAX_BYTES):
+        self._lru = SizedLRU(size, max_bytes)
+
+    @property
+    def size(self) -> int:
+        return self._lru.max_entries
+
+    @property
+    def max_bytes(self) -> int:
+        return self._lru.max_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.bytes
+
+    @property
+    def hits(self) -> int:
+        return self._lru.hits
+
+    @property
+    def evictions(self) -> int:
+        return self._lru.evictions
+
+    def __len__(self) -> int:
+        return len(self._lru)
 
     def get(self, key: tuple):
-        features = self._entries.get(key)
-        if features is not None:
-            self._entries.move_to_end(key)
-            self.hits += 1
-        return features
+        return self._lru.get(key)
 
     def put(self, key: tuple, features) -> None:
-        if self.size <= 0:
-            return
-        self._entries[key] = features
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        self._lru.put(key, features, features_bytes(features))
+
+
+def features_bytes(features) -> int:
+    """Bytes of the arrays in a family's features (known from shapes, so nothing is
+    computed)."""
+    return sum(int(getattr(v, "nbytes", 0)) for _, v in tree_flatten(features))

@@ -19,11 +19,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import threading
-from collections import OrderedDict
 
 import numpy as np
 from PIL import Image
+
+from ..lru import SizedLRU
 
 log = logging.getLogger(__name__)
 
@@ -50,43 +50,9 @@ def key_of(image) -> str | None:
     return getattr(image, _KEY_ATTR, None)
 
 
-class ImageCache:
-    """A thread-safe LRU of values with a size each, bounded by entries and bytes."""
-
-    def __init__(self, max_entries: int, max_bytes: int):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[object, tuple[object, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key):
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return entry[0]
-
-    def put(self, key, value, nbytes: int) -> None:
-        if self.max_entries <= 0 or nbytes > self.max_bytes:
-            return
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self._entries[key] = (value, nbytes)
-            self.bytes += nbytes
-            while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-                _, (_, size) = self._entries.popitem(last=False)
-                self.bytes -= size
+class ImageCache(SizedLRU):
+    """Loaded and processed images, bounded by entries and bytes (``--image-cache-size``,
+    ``--image-cache-gb``)."""
 
 
 def image_bytes(image: Image.Image) -> int:
