@@ -8,6 +8,7 @@ of a mixed batch must produce exactly the oracle's tokens.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -312,3 +313,118 @@ def test_same_tokens_with_another_image_never_reuse_the_image(harness):
         result = run_jobs(harness.engine, [(prepared, None, None)])[case.name]
         _assert_matches_oracle(harness, case, result)
         assert cache.reused_tokens - before <= first_image
+
+
+# -- bursts: prompts that arrive together are prefilled together ----------------------
+
+
+@pytest.fixture
+def burst(harness):
+    """The harness engine with a prefill budget that lets a burst share its passes."""
+    config = harness.engine.scheduler.config
+    budget, config.prefill_token_budget = config.prefill_token_budget, 64 * PREFILL_STEP
+    yield harness
+    config.prefill_token_budget = budget
+
+
+def run_burst(h: Harness, jobs, hook=None):
+    """Run jobs that reach the worker in one turn: they are submitted once a holding
+    request has its first token, while its decode steps hold the worker a moment.
+    ``hook``: a further fault hook."""
+    import time
+
+    def hold(phase, states):
+        if phase == "decode" and any(s.id == "hold" for s in states):
+            time.sleep(0.3)
+        if hook is not None:
+            hook(phase, states)
+
+    holder = h.prepare(Case("hold", "Hi!", max_tokens=3), "hold")
+    h.engine.scheduler.fault_hook = hold
+    try:
+        return run_jobs(h.engine, [(holder, None, None)] + [
+            (prepared, start_after or ("hold", 1), cancel) for prepared, start_after, cancel in jobs
+        ])
+    finally:
+        h.engine.scheduler.fault_hook = None
+
+
+def _burst_cases() -> dict[str, list[Case]]:
+    return {
+        # Same text, same image size: the same length, every pass and tower call shared.
+        "same-size": [Case(f"same-{i}", "Describe this picture.", [make_image(48, 48, 30 + i)],
+                           max_tokens=8) for i in range(4)],
+        "sizes": [
+            Case("size-a", "Describe this picture.", [make_image(40, 60, 41)], max_tokens=8),
+            Case("size-b", "Describe this picture.", [make_image(96, 48, 42)], max_tokens=8),
+            Case("size-c", "Describe this picture.", [make_image(40, 60, 43)], max_tokens=8),
+            Case("size-d", "Describe this picture.", [make_image(28, 90, 44)], max_tokens=8),
+        ],
+        # Text and images, short and long prompts (long ones share their first chunks).
+        "mixed": [
+            Case("mixed-img", "What colours are here?", [make_image(56, 56, 51)], max_tokens=8),
+            Case("mixed-text", "Hi there!", max_tokens=8),
+            Case("mixed-long-a", LONG_TEXT + " Summarise.", max_tokens=8),
+            Case("mixed-long-b", LONG_TEXT[:700] + " Summarise it.", max_tokens=8),
+            Case("mixed-text-b", "Hi you!", max_tokens=8),
+            Case("mixed-img-b", "What colours are here?", [make_image(56, 56, 52)], max_tokens=8),
+        ],
+    }
+
+
+@pytest.mark.parametrize("kind", ["same-size", "sizes", "mixed"])
+def test_burst_prefilled_together_matches_each_alone(burst, kind):
+    """Requests submitted at once share vision-tower calls and language-model passes
+    where their family allows; each still gets exactly its tokens alone."""
+    cases = _burst_cases()[kind]
+    scheduler = burst.engine.scheduler
+    rows = scheduler.shared_prefill_rows
+    results = run_burst(burst, [(burst.prepare(c, c.name), None, None) for c in cases])
+    for case in cases:
+        _assert_matches_oracle(burst, case, results[case.name])
+    family = scheduler.family
+    if family.batch_prefill and (kind == "mixed" or family.batch_prefill_images):
+        assert scheduler.shared_prefill_rows > rows  # passes really were shared
+
+
+def test_burst_shares_the_vision_tower_and_the_cache_still_serves(burst):
+    """Same-sized images of a burst run through one tower call; resent, they come from
+    the vision cache (no tower at all) and the tokens stay the oracle's."""
+    cases = [Case(f"tower-{i}", "What is in it?", [make_image(48, 48, 60 + i)], max_tokens=8)
+             for i in range(4)]  # images no earlier test sent
+    scheduler = burst.engine.scheduler
+    towers, hits = scheduler.shared_tower_requests, scheduler.family.vision_cache.hits
+    first = run_burst(burst, [(burst.prepare(c, f"t1-{c.name}"), None, None) for c in cases])
+    if scheduler.family.batch_vision:
+        assert scheduler.shared_tower_requests >= towers + len(cases)
+    again = run_burst(burst, [(burst.prepare(c, f"t2-{c.name}"), None, None) for c in cases])
+    for case in cases:
+        _assert_matches_oracle(burst, case, first[f"t1-{case.name}"])
+        _assert_matches_oracle(burst, case, again[f"t2-{case.name}"])
+    assert scheduler.family.vision_cache.hits >= hits + (len(cases) if scheduler.family.batch_vision else 0)
+
+
+def test_burst_with_a_cancelled_and_a_failing_request(burst):
+    """One request of a burst is cancelled mid-prefill and another fails in prefill:
+    each ends alone with its own reason; the rest match the oracle."""
+    cases = _burst_cases()["mixed"]
+    scheduler = burst.engine.scheduler
+
+    def hook(phase, states):
+        ids = {s.id for s in states}
+        if phase == "prefill" and "cancel-me" in ids:
+            burst.engine.cancel("cancel-me")  # arrives while its prompt is in prefill
+        if phase == "prefill" and "bad" in ids:
+            raise RuntimeError("injected fault")
+
+    bad = Case("bad", "Hi there!", max_tokens=8)
+    victim = Case("cancel-me", LONG_TEXT + " Go on.", max_tokens=8)
+    jobs = [(burst.prepare(c, c.name), None, None) for c in cases]
+    jobs.insert(1, (burst.prepare(bad, "bad"), None, None))
+    jobs.insert(3, (burst.prepare(victim, "cancel-me"), None, None))
+    results = run_burst(burst, jobs, hook)
+    assert results["bad"]["finish"] == FinishReason.ERROR and "injected fault" in results["bad"]["error"]
+    assert results["cancel-me"]["finish"] == FinishReason.CANCELLED
+    for case in cases:
+        _assert_matches_oracle(burst, case, results[case.name])
+    assert scheduler.prefilling == deque() and scheduler.running == []

@@ -51,21 +51,41 @@ class Prefill:
         # trimmed back to it later (a rotated sliding window): an identical prompt (a
         # retry, a regenerate) then still finds it and prefills only its last token.
         self.short_cache: list | None = None
+        self.group = None  # the PrefillGroup it shares passes with (prefill_batch), if any
+        self.alone = False  # never shares passes (a shared pass with it failed)
 
     @property
     def done(self) -> bool:
         return self.logits is not None
 
+    @property
+    def started(self) -> bool:
+        return self.embeds is not None or self.done
+
     def start(self) -> int:
         """Materialize the prepared numpy inputs and queue the vision tower. Returns its
         cost in prompt tokens (the scheduler's prefill budget counts these)."""
+        inputs, features = self.materialize()
+        return self.embed(inputs, features)
+
+    def materialize(self) -> tuple[dict, object]:
+        """The request's inputs as mx.arrays, and its image features where the vision
+        cache holds them: then its pixels are never converted (they would go unused)."""
         req = self.request
         self.input_ids = mx.array(req.input_ids, dtype=mx.int32)[None]
+        features = self.family.cached_features(req.image_digests) if req.has_media else None
         inputs = {
             k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
             for k, v in req.model_inputs.items()
+            if not (features is not None and k == "pixel_values")
         }
-        self.embeds, self.kwargs = self.family.embed(self.input_ids, inputs, req.image_digests)
+        return inputs, features
+
+    def embed(self, inputs: dict, features=None) -> int:
+        """Embed the prompt (``features``: its images' projected features, already
+        computed) and look its prefix up; returns the cost in prompt tokens."""
+        req = self.request
+        self.embeds, self.kwargs = self.family.embed(self.input_ids, inputs, req.image_digests, features)
         self.chunked = self.family.can_chunk_prefill(
             self.input_ids, self.embeds, self.cache, self.kwargs
         )
@@ -80,7 +100,7 @@ class Prefill:
                 self.input_ids = self.input_ids[:, self.reused:]
                 self.embeds = self.embeds[:, self.reused:]
         mx.async_eval(self.embeds)
-        return self.request.num_prompt_tokens if self.request.has_media else 1
+        return req.num_prompt_tokens if req.has_media else 1
 
     def remember(self) -> None:
         """Offer this prompt's finished cache to the prefix cache."""
@@ -96,43 +116,57 @@ class Prefill:
         req = self.request
         return prefix_key(req.input_ids.tolist(), self.family.image_token_ids, req.image_digests)
 
+    def next_chunk(self) -> tuple[int, bool]:
+        """The next pass over the prompt, as the single path would run it: how many
+        tokens, and whether it is the last (the one whose logits are kept)."""
+        remaining = self.embeds.shape[1]
+        if self.chunked and remaining > 1:
+            return min(self.step_size, remaining - 1), False
+        return remaining, True
+
+    def chunk_inputs(self, n: int) -> tuple[mx.array, mx.array, dict]:
+        """Token ids, embeddings and language-model arguments of the next ``n`` tokens."""
+        start = self.position
+        kwargs = self.family.chunk_kwargs(self.kwargs, start, start + n)
+        return self.input_ids[:, :n], self.embeds[:, :n], kwargs
+
+    def advance(self, n: int) -> None:
+        """``n`` more prompt tokens are in the cache."""
+        self.input_ids = self.input_ids[:, n:]
+        self.embeds = self.embeds[:, n:]
+        self.position += n
+
+    def keep_short_cache(self) -> None:
+        """Before the last token: keep the cache one token short where the full one
+        could not be trimmed back to it (see ``short_cache``)."""
+        if self.prefix_cache is not None and _rotates_on_next_token(self.cache):
+            self.short_cache = copy.deepcopy(self.cache)
+
+    def finish(self, logits: mx.array, row_state: dict) -> None:
+        self.logits = logits  # lazy: read back with the first token
+        self.row_state = row_state
+        self.input_ids = self.embeds = None
+
     def step(self) -> int:
         """Queue the next chunk; after the last one, ``logits`` is set.
         Returns the number of prompt tokens the step cost."""
         if self.embeds is None:
             return self.start()
         lm = self.model.language_model
-        remaining = self.embeds.shape[1]
-        start = self.position
-        if self.chunked and remaining > 1:
-            n = min(self.step_size, remaining - 1)
-            lm(
-                inputs=self.input_ids[:, :n],
-                inputs_embeds=self.embeds[:, :n],
-                cache=self.cache,
-                n_to_process=n,
-                logits_to_keep=1,
-                **self.family.chunk_kwargs(self.kwargs, start, start + n),
-            )
+        n, last = self.next_chunk()
+        ids, embeds, kwargs = self.chunk_inputs(n)
+        if not last:
+            lm(inputs=ids, inputs_embeds=embeds, cache=self.cache, n_to_process=n,
+               logits_to_keep=1, **kwargs)
             mx.async_eval([c.state for c in self.cache])
-            self.input_ids = self.input_ids[:, n:]
-            self.embeds = self.embeds[:, n:]
-            self.position += n
+            self.advance(n)
             return n
-        if self.prefix_cache is not None and remaining == 1 and _rotates_on_next_token(self.cache):
-            self.short_cache = copy.deepcopy(self.cache)
-        out = lm(
-            self.input_ids[:, -remaining:],
-            inputs_embeds=self.embeds,
-            cache=self.cache,
-            logits_to_keep=1,
-            **self.family.chunk_kwargs(self.kwargs, start, start + remaining),
-        )
-        self.logits = out.logits[:, -1, :]  # lazy: read back with the first token
-        self.row_state = self.family.row_state(self.kwargs, out)
-        self.position += remaining
-        self.input_ids = self.embeds = None
-        return remaining
+        if n == 1:
+            self.keep_short_cache()
+        out = lm(ids, inputs_embeds=embeds, cache=self.cache, logits_to_keep=1, **kwargs)
+        self.advance(n)
+        self.finish(out.logits[:, -1, :], self.family.row_state(self.kwargs, out))
+        return n
 
 
 def _rotates_on_next_token(cache: list) -> bool:

@@ -32,6 +32,7 @@ from .families import Family
 from .grammar import GrammarCompiler, allowed_tokens
 from .memory import Demand, Held, KVBudget, KVLayout, cache_bytes, format_bytes, resolve_limit
 from .prefill import Prefill
+from .prefill_batch import PrefillGroup
 from .prefix_cache import PrefixCache
 from .sampling import BatchSampler, top_logprobs
 from .types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
@@ -158,6 +159,8 @@ class Scheduler:
         self.peak_running = 0  # most rows ever decoded together
         self.prefills = 0  # prompts prefilled (n copies of one prompt count once)
         self.memory_waits = 0  # requests that waited for KV memory to be admitted
+        self.shared_prefill_rows = 0  # prompt passes run as rows of a shared pass
+        self.shared_tower_requests = 0  # requests whose images ran in a shared tower call
 
     def _budget(self, model, family: Family, config: SchedulerConfig) -> KVBudget:
         layout = KVLayout.probe(model.language_model)
@@ -244,6 +247,9 @@ class Scheduler:
             cache_bytes(s.prefill.cache) + cache_bytes(getattr(s.prefill, "short_cache", None))
             for s in self.prefilling if s.prefill is not None
         )
+        groups = {id(s.prefill.group): s.prefill.group for s in self.prefilling
+                  if s.prefill is not None and s.prefill.group is not None}
+        prefills += sum(cache_bytes(g.cache) for g in groups.values())
         self.kv_cache_bytes = self.batch.nbytes
         self.kv_memory_used = self.kv_cache_bytes + prefills + prefixes
         self.kv_memory_reserved = self._reserved(self._demand()) + prefixes
@@ -351,6 +357,8 @@ class Scheduler:
                         queue_[i] = heir
                     else:
                         del queue_[i]
+                        if state.prefill is not None and state.prefill.group is not None:
+                            state.prefill.group.drop(state.prefill)
                     self._finish(state, reason, error=error)
                     return
                 for copy_ in state.copies:
@@ -419,16 +427,72 @@ class Scheduler:
     # -- prefill ----------------------------------------------------------------------
 
     def _prefill_step(self) -> int:
-        """One prefill chunk of the first request in line; returns its token cost."""
+        """One prefill step of the first request in line (and of the prompts it shares
+        passes with); returns its token cost."""
         state = self.prefilling[0]
-        group = [state, *state.copies]
+        prefill = state.prefill
+        if self.family.batch_prefill and not (prefill.started or prefill.group or prefill.alone):
+            self._group_from(state)
+        group = prefill.group
+        states = self._group_states(group) if group is not None else [state]
         try:
             if self.fault_hook:
-                self.fault_hook("prefill", group)
-            cost = state.prefill.step()
-            if not state.prefill.done:
-                return cost
+                self.fault_hook("prefill", [m for s in states for m in (s, *s.copies)])
+            cost = (group or prefill).step()
+            if group is not None:
+                self.shared_prefill_rows += group.shared_rows
+                self.shared_tower_requests += group.shared_towers
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to this prompt
+            if group is not None:
+                # Which prompt of a shared step failed is not known: each starts over
+                # alone, so a bad one fails by itself and the others go on.
+                log.warning("shared prefill of %d prompts failed (%s); each starts over alone",
+                            len(states), exc)
+                for member in states:
+                    self._restart_alone(member)
+                return 1
+            log.exception("prefill failed for %s", state.id)
+            self.prefilling.remove(state)
+            for member in (state, *state.copies):
+                self._finish(member, FinishReason.ERROR, error=f"prefill failed: {exc}")
+            return 1
+        for member in states:
+            if member.prefill is not None and member.prefill.done:
+                self._join(member)
+        return cost
+
+    def _group_from(self, head: RequestState) -> None:
+        """Prompts in line that may share ``head``'s prefill passes, up to what one
+        shared pass may cost within the prefill token budget."""
+        family, budget = self.family, self.config.prefill_token_budget
+        chosen, cost = [], 0
+        for state in self.prefilling:
             prefill = state.prefill
+            if prefill.started or prefill.group or prefill.alone:
+                continue
+            if state.request.has_media and not (family.batch_prefill_images or family.batch_vision):
+                continue
+            tokens = min(self.config.prefill_step_size, state.request.num_prompt_tokens)
+            if chosen and cost + tokens > budget:
+                break
+            chosen.append(prefill)
+            cost += tokens
+        if len(chosen) > 1 and chosen[0] is head.prefill:
+            PrefillGroup(self.model, family, chosen)
+
+    def _group_states(self, group: PrefillGroup) -> list[RequestState]:
+        return [s for s in self.prefilling if s.prefill is not None and s.prefill.group is group]
+
+    def _restart_alone(self, state: RequestState) -> None:
+        state.prefill = Prefill(self.model, self.family, state.request,
+                                self.config.prefill_step_size, self.prefix_cache)
+        state.prefill.alone = True
+
+    def _join(self, state: RequestState) -> None:
+        """A finished prefill: its prompt's rows join the batch at the end of the turn."""
+        group = [state, *state.copies]
+        prefill = state.prefill
+        try:
             rows, steps = [], []
             for i, member in enumerate(group):
                 # Each copy samples its own first token (its own seed) from the shared
@@ -446,12 +510,11 @@ class Scheduler:
                 steps.append(Step(out, [member], self._logprob_arrays(out, [member])))
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this prompt
             log.exception("prefill failed for %s", state.id)
-            if self.prefilling and self.prefilling[0] is state:
-                self.prefilling.popleft()
+            self.prefilling.remove(state)
             for member in group:
                 self._finish(member, FinishReason.ERROR, error=f"prefill failed: {exc}")
-            return 1
-        self.prefilling.popleft()
+            return
+        self.prefilling.remove(state)
         state.prefill, state.copies = None, []
         self.prefills += 1
         for member in group:
@@ -465,7 +528,6 @@ class Scheduler:
             prefill.remember()
         except Exception:  # noqa: BLE001 - a cache that is not kept fails no request
             log.exception("could not keep the prefix of %s", state.id)
-        return cost
 
     # -- decode -----------------------------------------------------------------------
 

@@ -47,6 +47,15 @@ class Family:
     # decode through mlx-vlm's model code on mlx-lm's batch caches.
     decoder_class = None
     use_decoder = True  # off: always decode through mlx-vlm's model code (for comparison)
+    # Prompts prefilled together (``prefill_batch``), each flag proven exact against
+    # one-at-a-time prefill by the parity suite's burst cases; off: one by one.
+    batch_prefill = False  # text prompts share the language model's passes
+    batch_prefill_images = False  # ... image prompts too
+    batch_vision = False  # images of several requests share one vision-tower call
+    # The language-model arguments a shared pass stacks, and their batch axis (None:
+    # the language model does not read it). A prompt with any other argument is
+    # prefilled alone.
+    prefill_batch_axes: dict[str, int | None] = {}
 
     def __init__(self, model, vision_cache_size: int = 64):
         self.model = model
@@ -82,29 +91,76 @@ class Family:
         families that accept them back as ``cached_image_features``; None otherwise."""
         return None
 
+    def cached_features(self, image_key: tuple):
+        """The vision cache's features for these images, or None."""
+        return self.vision_cache.get(image_key) if image_key else None
+
     def embed(
-        self, input_ids: mx.array, inputs: dict[str, mx.array], image_key: tuple = ()
+        self, input_ids: mx.array, inputs: dict[str, mx.array], image_key: tuple = (),
+        features=None,
     ) -> tuple[mx.array, dict]:
+        """``features``: the images' projected features, already computed (from the
+        vision cache or a shared tower call); the pixels may then be left out."""
         inputs = dict(inputs)
         pixel_values = inputs.pop("pixel_values", None)
         mask = inputs.pop("attention_mask", None)
         if mask is None:
             mask = mx.ones(input_ids.shape, mx.int32)
         cached = {}
-        if pixel_values is not None and image_key:
+        if features is None and pixel_values is not None and image_key:
             features = self.vision_cache.get(image_key)
             if features is None:
                 features = self.encode_images(input_ids, pixel_values, inputs)
                 if features is not None:
                     self.vision_cache.put(image_key, features)
-            if features is not None:
-                cached["cached_image_features"] = features
+        if features is not None:
+            cached["cached_image_features"] = features
+            if pixel_values is None:
+                # The models test pixel_values for None before they look at cached
+                # features; an empty stand-in is never read.
+                pixel_values = mx.zeros((0,))
         out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs, **cached)
         kwargs = {**inputs}
         kwargs.update(
             {k: v for k, v in out.to_dict().items() if k not in _EMBED_ONLY_KEYS and v is not None}
         )
         return out.inputs_embeds, kwargs
+
+    # -- prefilling several prompts together (``prefill_batch``) ----------------------
+
+    def stack_image_inputs(self, inputs: list[dict]) -> dict | None:
+        """One vision-tower input for the images of several requests (each dict: a
+        request's inputs), or None where they cannot share a call."""
+        return None
+
+    def split_image_features(self, features, inputs: list[dict]) -> list:
+        """``encode_images`` output of stacked inputs, back to one value per request."""
+        raise NotImplementedError
+
+    def batch_signature(self, kwargs: dict) -> tuple | None:
+        """Prompts share a language-model pass only with equal signatures (argument
+        names and shapes but the batch axis); None: never shared."""
+        sig = []
+        for key, value in sorted(kwargs.items()):
+            if key not in self.prefill_batch_axes:
+                return None
+            axis = self.prefill_batch_axes[key]
+            if axis is None:
+                continue
+            if not isinstance(value, mx.array):
+                return None
+            shape = list(value.shape)
+            del shape[axis]
+            sig.append((key, value.ndim, tuple(shape), value.dtype))
+        return tuple(sig)
+
+    def stack_chunk_kwargs(self, per_row: list[dict]) -> dict:
+        """The arguments of one shared prefill pass, from each prompt's chunk_kwargs."""
+        out = {}
+        for key, axis in self.prefill_batch_axes.items():
+            if axis is not None and key in per_row[0]:
+                out[key] = mx.concatenate([kw[key] for kw in per_row], axis=axis)
+        return out
 
     def can_chunk_prefill(self, input_ids, embeds, cache, kwargs: dict) -> bool:
         """Whether this prompt may be prefilled in pieces. Some models need the whole

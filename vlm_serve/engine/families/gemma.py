@@ -3,6 +3,10 @@ cache classes); the vision tower's output is cached for repeated images."""
 
 from __future__ import annotations
 
+import itertools
+
+import mlx.core as mx
+
 from ..decode import Gemma3Decoder
 from .base import Family
 
@@ -10,6 +14,9 @@ from .base import Family
 class Gemma3(Family):
     name = "gemma3"
     decoder_class = Gemma3Decoder
+    batch_prefill = batch_prefill_images = batch_vision = True
+    # attention_mask_4d (get_input_embeddings' padding mask) is not read by the text model.
+    prefill_batch_axes = {"attention_mask_4d": None}
 
     def encode_images(self, input_ids, pixel_values, inputs):
         # As Gemma 3's get_input_embeddings: pixels in the embedding dtype, channels last.
@@ -19,9 +26,23 @@ class Gemma3(Family):
         )
         return self.model.multi_modal_projector(hidden)
 
+    def stack_image_inputs(self, inputs):
+        if any(set(i) != {"pixel_values"} for i in inputs):
+            return None
+        return {"pixel_values": mx.concatenate([i["pixel_values"] for i in inputs])}
+
+    def split_image_features(self, features, inputs):
+        # One row of features per image, in the requests' order.
+        ends = list(itertools.accumulate(i["pixel_values"].shape[0] for i in inputs))
+        return [features[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
 
 class Gemma4(Family):
     name = "gemma4"
+    # Text prompts share prefill passes; image prompts (whole-prompt prefill with
+    # bidirectional attention over image tokens, variable image sizes) stay alone.
+    batch_prefill = True
+    prefill_batch_axes = {"per_layer_inputs": 0}
     # Reusing an image prompt's prefix does not reproduce its tokens yet (its attention
     # over image tokens is bidirectional): image prompts are prefilled whole.
     image_prefix_cache = False

@@ -16,6 +16,7 @@ from .qwen_vl import QwenVL
 class Glm4V(QwenVL):
     name = "glm4v"
     decoder_class = None  # GLM-4V's language model is its own: model code
+    batch_prefill = batch_prefill_images = batch_vision = False  # not proven yet
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return None  # get_input_embeddings takes no cached features

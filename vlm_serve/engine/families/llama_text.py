@@ -11,6 +11,11 @@ from .base import Family
 class LlamaText(Family):
     name = "llama-text"
     decoder_class = LlamaDecoder
+    # Prompts share prefill passes; each runs its own vision tower (no encode_images).
+    batch_prefill = batch_prefill_images = True
+    # Vision-side inputs get_input_embeddings passes on; the text model reads none.
+    prefill_batch_axes = {"pixel_attention_mask": None, "num_patches_list": None,
+                          "image_token_index": None}
 
 
 class Mistral3(LlamaText):

@@ -7,6 +7,7 @@ every decode step passes explicit position ids, so rows never read each other's.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +19,10 @@ from .base import Family
 class QwenVL(Family):
     name = "qwen-vl"
     decoder_class = Qwen2Decoder
+    batch_prefill = batch_prefill_images = batch_vision = True
+    # position_ids: (1, L) for text, (3, 1, L) with images; the grid is only read where
+    # position_ids are not given.
+    prefill_batch_axes = {"position_ids": -2, "rope_deltas": 0, "image_grid_thw": None}
 
     def __init__(self, model, vision_cache_size: int = 64):
         super().__init__(model, vision_cache_size)
@@ -29,6 +34,27 @@ class QwenVL(Family):
         return self.model.vision_tower(
             pixel_values.astype(dtype), inputs.get("image_grid_thw"), output_hidden_states=False
         )
+
+    def stack_image_inputs(self, inputs):
+        if any(set(i) != {"pixel_values", "image_grid_thw"} for i in inputs):
+            return None
+        # The tower takes every image's patches in one sequence, split by the grids.
+        return {k: mx.concatenate([i[k] for i in inputs]) for k in ("pixel_values", "image_grid_thw")}
+
+    def split_image_features(self, features, inputs):
+        # Each image's patches merge into a fixed share of feature rows.
+        patches = [i["pixel_values"].shape[0] for i in inputs]
+        per_patch = features.shape[0] / sum(patches)
+        ends = list(itertools.accumulate(round(p * per_patch) for p in patches))
+        return [features[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+    def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
+        # The chunk's own positions (the model would slice them by the cache offset
+        # itself): prompts of different lengths then share a pass's arguments.
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            return kwargs
+        return {**kwargs, "position_ids": positions[..., start:stop]}
 
     def row_state(self, prefill_kwargs: dict, last_output) -> dict[str, Any]:
         delta = prefill_kwargs.get("rope_deltas")
@@ -53,6 +79,9 @@ class Qwen3VL(QwenVL):
     none of that (its text model is Qwen2's with q/k RMSNorm): the same decode step."""
 
     name = "qwen3-vl"
+    # DeepStack features are scattered by each prompt's own image mask: image prompts
+    # stay alone; text prompts share passes.
+    batch_prefill_images = batch_vision = False
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return None

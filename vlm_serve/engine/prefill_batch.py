@@ -1,0 +1,210 @@
+"""Prefill of several prompts together, each ending with the cache it would have alone.
+
+A burst of requests would otherwise run one vision-tower call and one language-model
+pass per chunk per request, each paying its graph building on the host. Here:
+
+- The images of requests that start together run through the vision tower in one call
+  where their processed shapes allow (``Family.stack_image_inputs``); the features are
+  split back per request and cached as the single path would cache them. Images the
+  vision cache holds never run again.
+- Prompts share a language-model pass wherever the single path would run the very same
+  pass for each of them: the same number of tokens from the same position, with
+  arguments of the same shapes (``Family.batch_signature``). Prompts of one length share
+  every pass; prompts of different lengths share their leading full chunks, then each
+  goes on alone from its own row of the shared cache. No padding and no masks: a row of
+  a shared pass computes exactly what it computes alone (the parity suite's burst cases
+  prove it per family; a family batches only under its flags).
+
+A prompt whose prefix the prefix cache holds starts from that prefix on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+from mlx_vlm.models import cache as vlm_cache
+
+from .families import Family
+from .prefill import Prefill, _rotates_on_next_token
+
+# Layer caches whose rows can be sliced apart: the single-request caches a prompt gets.
+_SPLITTABLE = (vlm_cache.KVCache, vlm_cache.RotatingKVCache)
+
+
+class PrefillGroup:
+    def __init__(self, model, family: Family, members: list[Prefill]):
+        self.model = model
+        self.family = family
+        self.members = list(members)  # in the rows' order once ``cache`` exists
+        self.cache: list | None = None  # shared layer caches, one row per member
+        # What the last step shared: rows of a language-model pass, requests of tower calls.
+        self.shared_rows = self.shared_towers = 0
+        self.splittable = all(
+            type(c) in _SPLITTABLE for c in vlm_cache.make_prompt_cache(model.language_model)
+        )
+        for member in self.members:
+            member.group = self
+
+    # -- membership -------------------------------------------------------------------
+
+    def drop(self, member: Prefill) -> None:
+        """``member`` leaves and is forgotten (its request was cancelled)."""
+        self._leave([member], keep_rows=False)
+
+    def _leave(self, leaving: list[Prefill], keep_rows: bool = True) -> None:
+        """``leaving`` go on alone, each with its own row of the shared cache."""
+        gone = {id(m) for m in leaving}
+        rows = [i for i, m in enumerate(self.members) if id(m) in gone]
+        if not rows:
+            return
+        if self.cache is not None:
+            if keep_rows:
+                for i in rows:
+                    self.members[i].cache = _rows(self.cache, slice(i, i + 1))
+            stay = [i for i in range(len(self.members)) if id(self.members[i]) not in gone]
+            self.cache = _rows(self.cache, mx.array(stay, mx.int32)) if stay else None
+        for i in rows:
+            self.members[i].group = None
+        self.members = [m for m in self.members if id(m) not in gone]
+
+    # -- the vision towers and embeddings -----------------------------------------------
+
+    def start(self) -> int:
+        """Materialize every member, run their uncached images through shared tower
+        calls and embed them. Returns the cost in prompt tokens (as ``Prefill.start``)."""
+        prepared = [(m, *m.materialize()) for m in self.members]
+        features = self._encode_together(prepared)
+        cost = 0
+        for member, inputs, cached in prepared:
+            cost += member.embed(inputs, cached if cached is not None else features.get(id(member)))
+        family = self.family
+        self._leave([m for m in self.members if m.request.has_media and not family.batch_prefill_images])
+        if self.members:
+            # Prompts that start from the same cached prefix (a chat template's opening,
+            # a shared system prompt) go on together from its end; any other goes alone.
+            head = self.members[0]
+            self._leave([m for m in self.members if not _same_layout(m.cache, head.cache)])
+        return cost
+
+    def _encode_together(self, prepared: list) -> dict[int, object]:
+        """Features of members whose images share a tower call, by ``id(member)``.
+        Members left out embed their images themselves (``Family.embed``)."""
+        if not self.family.batch_vision:
+            return {}
+        buckets: dict[tuple, list] = {}
+        for member, inputs, cached in prepared:
+            pixels = inputs.get("pixel_values")
+            if cached is None and member.request.has_media and isinstance(pixels, mx.array):
+                key = (tuple(pixels.shape[1:]), str(pixels.dtype))
+                buckets.setdefault(key, []).append((member, inputs))
+        out = {}
+        for bucket in buckets.values():
+            if len(bucket) < 2:
+                continue
+            per_request = [{k: v for k, v in inputs.items() if k != "attention_mask"}
+                           for _, inputs in bucket]
+            stacked = self.family.stack_image_inputs(per_request)
+            if stacked is None:
+                continue
+            first_ids = bucket[0][0].input_ids
+            encoded = self.family.encode_images(first_ids, stacked["pixel_values"], stacked)
+            if encoded is None:
+                continue
+            self.shared_towers += len(bucket)
+            for (member, _), features in zip(bucket, self.family.split_image_features(encoded, per_request)):
+                out[id(member)] = features
+                if member.request.image_digests:
+                    self.family.vision_cache.put(member.request.image_digests, features)
+        return out
+
+    # -- the language model -------------------------------------------------------------
+
+    def step(self) -> int:
+        """One shared pass (the first call: ``start``). Members whose next pass differs
+        from the first member's go on alone. Returns the pass's cost in prompt tokens:
+        0 when the group has dissolved instead (its members then step alone)."""
+        self.shared_rows = self.shared_towers = 0
+        if not any(m.started for m in self.members):
+            return self.start()
+        plan = self.members[0].next_chunk()
+        signature = self._signature(self.members[0], plan)
+        together = [] if signature is None or not self.splittable else [
+            m for m in self.members
+            if m.next_chunk() == plan and self._signature(m, plan) == signature
+        ]
+        if len(together) < 2:
+            self._leave(list(self.members))
+            return 0
+        self._leave([m for m in self.members if m not in together])
+        return self._pass(plan, [m.chunk_inputs(plan[0]) for m in self.members])
+
+    def _signature(self, member: Prefill, plan: tuple[int, bool]) -> tuple | None:
+        return self.family.batch_signature(member.chunk_inputs(plan[0])[2])
+
+    def _pass(self, plan: tuple[int, bool], inputs: list) -> int:
+        n, last = plan
+        lm = self.model.language_model
+        ids = mx.concatenate([x[0] for x in inputs])
+        embeds = mx.concatenate([x[1] for x in inputs])
+        kwargs = self.family.stack_chunk_kwargs([x[2] for x in inputs])
+        rows = self.shared_rows = len(self.members)
+        if self.cache is None:
+            self.cache = _stacked([m.cache for m in self.members])
+        if not last:
+            lm(inputs=ids, inputs_embeds=embeds, cache=self.cache, n_to_process=n,
+               logits_to_keep=1, **kwargs)
+            mx.async_eval([c.state for c in self.cache])
+            for member in self.members:
+                member.advance(n)
+            return n * rows
+        if n == 1 and _rotates_on_next_token(self.cache):
+            for i, member in enumerate(self.members):
+                if member.prefix_cache is not None:
+                    member.short_cache = _rows(self.cache, slice(i, i + 1))
+        out = lm(ids, inputs_embeds=embeds, cache=self.cache, logits_to_keep=1, **kwargs)
+        logits = out.logits[:, -1, :]
+        for i, member in enumerate(self.members):
+            member.cache = _rows(self.cache, slice(i, i + 1))
+            member.advance(n)
+            # A family that batches prefill keeps nothing of the last output per row.
+            member.finish(logits[i:i + 1], self.family.row_state(member.kwargs, None))
+            member.group = None
+        self.members, self.cache = [], None
+        return n * rows
+
+
+def _same_layout(cache: list, other: list) -> bool:
+    """Whether two single-row caches can be rows of one batch cache: both empty, or
+    holding the same number of tokens in buffers of the same shape (the same cached
+    prefix)."""
+    for a, b in zip(cache, other):
+        if type(a) is not type(b) or a.offset != b.offset or getattr(a, "_idx", 0) != getattr(b, "_idx", 0):
+            return False
+        if (a.keys is None) != (b.keys is None):
+            return False
+        if a.keys is not None and (a.keys.shape != b.keys.shape or a.values.shape != b.values.shape):
+            return False
+    return len(cache) == len(other)
+
+
+def _stacked(caches: list[list]) -> list:
+    """One batch cache of single-row caches of the same layout, rows in order."""
+    out = []
+    for layers in zip(*caches):
+        layer = copy.copy(layers[0])
+        if layer.keys is not None:
+            layer.keys = mx.concatenate([c.keys for c in layers])
+            layer.values = mx.concatenate([c.values for c in layers])
+        out.append(layer)
+    return out
+
+
+def _rows(cache: list, index) -> list:
+    """Layer caches holding only the rows at ``index`` (a slice or an index array)."""
+    out = []
+    for layer in cache:
+        rows = copy.copy(layer)
+        rows.keys, rows.values = layer.keys[index], layer.values[index]
+        out.append(rows)
+    return out
