@@ -27,7 +27,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat, tokenize
 
 from conftest import make_image
-from test_parity import LONG_TEXT, run_jobs
+from test_parity import LONG_TEXT, run_held, run_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:At least one mel filter:UserWarning")
 
@@ -135,6 +135,32 @@ def test_mixed_batch_with_joining_rows_matches_mlx_vlm(family):
         assert result["tokens"] == expected, (
             f"{family.arch} {prepared.request_id}: batched {result['tokens']} != mlx-vlm {expected}"
         )
+
+
+def test_burst_prefilled_together_matches_mlx_vlm(family):
+    """Requests that arrive together (same-sized and other-sized images, short and long
+    text) share prefill work where the family's flags allow; each gets mlx-vlm's tokens."""
+    images = family.arch not in SLOW_VISION
+    specs = [("burst-text-a", "Hi there!", []), ("burst-text-b", "Hi you!", []),
+             ("burst-long", LONG_TEXT[:500] + " Summarise.", []),
+             ("burst-long-b", LONG_TEXT[:300] + " Summarise.", [])]
+    if images:
+        specs += [(f"burst-img-{i}", "Describe this picture.", [make_image(56, 56, 70 + i)]) for i in range(3)]
+        specs.append(("burst-img-other", "Describe this picture.", [make_image(40, 80, 74)]))
+    jobs = [(family.prepare(rid, text, imgs, 6), None, None) for rid, text, imgs in specs]
+    scheduler = family.engine.scheduler
+    budget, scheduler.config.prefill_token_budget = scheduler.config.prefill_token_budget, 64 * PREFILL_STEP
+    rows = scheduler.shared_prefill_rows
+    try:
+        results = run_held(family.engine, family.prepare("hold", "Hi!", max_tokens=3), jobs)
+    finally:
+        scheduler.config.prefill_token_budget = budget
+    for prepared, _, _ in jobs:
+        result = results[prepared.request_id]
+        assert result["error"] is None, result["error"]
+        assert result["tokens"] == family.oracle(prepared), (family.arch, prepared.request_id)
+    if scheduler.family.batch_prefill:
+        assert scheduler.shared_prefill_rows > rows  # the text prompts shared passes
 
 
 def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):

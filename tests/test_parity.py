@@ -328,9 +328,13 @@ def burst(harness):
 
 
 def run_burst(h: Harness, jobs, hook=None):
-    """Run jobs that reach the worker in one turn: they are submitted once a holding
-    request has its first token, while its decode steps hold the worker a moment.
-    ``hook``: a further fault hook."""
+    return run_held(h.engine, h.prepare(Case("hold", "Hi!", max_tokens=3), "hold"), jobs, hook)
+
+
+def run_held(engine: Engine, holder, jobs, hook=None):
+    """Run jobs that reach the worker in one turn: they are submitted once ``holder``
+    (request id "hold", a few tokens) has its first token, while its decode steps hold
+    the worker a moment. ``hook``: a further fault hook."""
     import time
 
     def hold(phase, states):
@@ -339,14 +343,13 @@ def run_burst(h: Harness, jobs, hook=None):
         if hook is not None:
             hook(phase, states)
 
-    holder = h.prepare(Case("hold", "Hi!", max_tokens=3), "hold")
-    h.engine.scheduler.fault_hook = hold
+    engine.scheduler.fault_hook = hold
     try:
-        return run_jobs(h.engine, [(holder, None, None)] + [
+        return run_jobs(engine, [(holder, None, None)] + [
             (prepared, start_after or ("hold", 1), cancel) for prepared, start_after, cancel in jobs
         ])
     finally:
-        h.engine.scheduler.fault_hook = None
+        engine.scheduler.fault_hook = None
 
 
 def _burst_cases() -> dict[str, list[Case]]:

@@ -16,13 +16,14 @@ from .qwen_vl import QwenVL
 class Glm4V(QwenVL):
     name = "glm4v"
     decoder_class = None  # GLM-4V's language model is its own: model code
-    batch_prefill = batch_prefill_images = batch_vision = False  # not proven yet
+    batch_prefill = batch_prefill_images = True  # passes shared; its tower runs per request
+    batch_vision = False
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return None  # get_input_embeddings takes no cached features
 
-    def embed(self, input_ids, inputs, image_key=()):
-        embeds, kwargs = super().embed(input_ids, inputs, image_key)
+    def embed(self, input_ids, inputs, image_key=(), features=None):
+        embeds, kwargs = super().embed(input_ids, inputs, image_key, features)
         grid = kwargs.get("image_grid_thw")
         if grid is not None:
             positions, delta = self.model.language_model.get_rope_index(input_ids, grid, None, None)
