@@ -20,6 +20,7 @@ from .chat import start_chat
 from .errors import APIError, bad_request
 from .generation import deliver, run_to_end, stream_sse
 from .output import OutputProcessor
+from .responses import to_json
 from .schemas import parse_chat_request
 from .state import AppState, read_json
 
@@ -53,7 +54,7 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 def event(name: str, body: dict) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False, allow_nan=False)}\n\n".encode()
+    return f"event: {name}\ndata: {to_json(body)}\n\n".encode()
 
 
 # -- request: Anthropic -> OpenAI chat ---------------------------------------------------
@@ -360,7 +361,7 @@ def _stream(state: AppState, events, output: OutputProcessor, head: dict, prompt
                  "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
         yield event("message_start", {"type": "message_start", "message": start})
         yield event("ping", {"type": "ping"})
-        async for chunk in stream_sse(events, chunks_for, final_chunks, state.heartbeat_s,
+        async for chunk in stream_sse(events, chunks_for, final_chunks,
                                       error_chunk=lambda exc: event("error", error_body(exc)), done=b""):
             yield chunk
 

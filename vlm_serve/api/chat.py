@@ -162,7 +162,7 @@ def _stream(state: AppState, events, outputs: list[OutputProcessor], tally: Usag
     async def body():
         for i in range(len(outputs)):
             yield chunk(i, {"role": "assistant", "content": ""})
-        async for piece in stream_sse(events, chunks_for, final_chunks, state.heartbeat_s):
+        async for piece in stream_sse(events, chunks_for, final_chunks):
             yield piece
 
     return body()

@@ -73,13 +73,15 @@ async def run_all(streams: list[AsyncIterator[GenerationEvent]]) -> list[Finishe
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def merged(streams: list[AsyncIterator[GenerationEvent]]) -> AsyncIterator[GenerationEvent]:
-    """The events of every choice as they come. Each stream is asked for its next
-    event only once its last one is taken, so a slow reader still gets them folded."""
-    if len(streams) == 1:
-        async for event in streams[0]:
-            yield event
-        return
+def merged(streams: list[AsyncIterator[GenerationEvent]]) -> AsyncIterator[GenerationEvent]:
+    """The events of every choice as they come (one choice: its own stream, with no
+    layer between it and the response, which runs per token)."""
+    return streams[0] if len(streams) == 1 else _interleaved(streams)
+
+
+async def _interleaved(streams: list[AsyncIterator[GenerationEvent]]) -> AsyncIterator[GenerationEvent]:
+    """Each stream is asked for its next event only once its last one is taken, so a
+    slow reader still gets them folded."""
     iterators = [s.__aiter__() for s in streams]
     pending = {asyncio.ensure_future(it.__anext__()): it for it in iterators}
     try:

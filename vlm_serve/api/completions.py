@@ -178,7 +178,7 @@ def _stream(state: AppState, events, tally: UsageTally, echoes: list[str], compl
         for i, text in enumerate(echoes):
             if text:
                 yield chunk(i, text)
-        async for piece in stream_sse(events, chunks_for, final_chunks, state.heartbeat_s):
+        async for piece in stream_sse(events, chunks_for, final_chunks):
             yield piece
 
     return body()

@@ -1,9 +1,9 @@
 """What chat and text completions share: starting a generation, waiting for its end,
-and streaming it as server-sent events with heartbeats and in-band errors."""
+and streaming it as server-sent events (with heartbeats, see event_stream) and in-band
+errors."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..engine.types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
-from .disconnect import EventStreamResponse, unless_disconnected
+from .disconnect import unless_disconnected
 from .errors import APIError
-from .responses import SSE_DONE, SSE_HEARTBEAT, sse
+from .event_stream import EventStreamResponse
+from .responses import SSE_DONE, sse
 from .state import AppState
 
-HEARTBEAT_S = 5.0
 log = logging.getLogger("vlm_serve.api")
 
 
@@ -46,7 +46,7 @@ async def deliver(
             state.engine.cancel(id_)
 
     if stream is not None:
-        return EventStreamResponse(stream, on_close=cancel)
+        return EventStreamResponse(stream, on_close=cancel, heartbeat_s=state.heartbeat_s)
     result = await unless_disconnected(respond(), request.receive)
     if result is None:
         cancel()
@@ -83,57 +83,34 @@ async def run_to_end(events: AsyncIterator[GenerationEvent]) -> Finished:
     return Finished("".join(text), final, logprobs)
 
 
-async def with_heartbeats(events: AsyncIterator, interval: float) -> AsyncIterator:
-    """Yield the events, and None whenever ``interval`` passes without one (e.g. during
-    a long prefill), so the caller can keep the connection visibly alive."""
-    iterator = events.__aiter__()
-    pending: asyncio.Future | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(iterator.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield None
-                continue
-            try:
-                event = pending.result()
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield event
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        await iterator.aclose()
-
-
 async def stream_sse(
     events: AsyncIterator[GenerationEvent],
     chunks_for: Callable[[GenerationEvent], list[bytes]],
     final_chunks: Callable[[GenerationEvent], list[bytes]],
-    heartbeat_s: float = HEARTBEAT_S,
     error_chunk: Callable[[APIError], bytes] = lambda error: sse(error.body()),
     done: bytes = SSE_DONE,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: per-event chunks, the closing chunks, then ``done``. A failure is
-    ``error_chunk`` (OpenAI's envelope unless a protocol has its own) followed by ``done``."""
-    async for event in with_heartbeats(events, heartbeat_s):
-        if event is None:
-            yield SSE_HEARTBEAT
-            continue
-        error = error_of(event)
-        if error is not None:
-            yield error_chunk(error)
-            break
-        try:
-            chunks = chunks_for(event) + (final_chunks(event) if event.finished else [])
-        except Exception:  # a bug of ours: end the stream in-band, not with a torn connection
-            log.exception("could not build a stream chunk")
-            yield error_chunk(APIError(500, "internal server error", code="internal_error"))
-            break
-        for chunk in chunks:
-            yield chunk
-    if done:
-        yield done
+    ``error_chunk`` (OpenAI's envelope unless a protocol has its own) followed by ``done``.
+    The chunks of one event come as one piece (one write: a write costs far more than
+    its bytes), each chunk a whole SSE event; an event with no chunks writes nothing."""
+    try:
+        async for event in events:
+            error = error_of(event)
+            if error is not None:
+                yield error_chunk(error) + done
+                return
+            try:
+                chunks = chunks_for(event) + (final_chunks(event) if event.finished else [])
+            except Exception:  # a bug of ours: end the stream in-band, not with a torn connection
+                log.exception("could not build a stream chunk")
+                yield error_chunk(APIError(500, "internal server error", code="internal_error")) + done
+                return
+            if chunks:
+                yield b"".join(chunks)
+        if done:
+            yield done
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()  # ends the request's stream now (an early end cancels it)

@@ -9,7 +9,6 @@ streamed as typed events. Nothing is stored: ``store`` is ignored and
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
@@ -22,7 +21,7 @@ from ..engine.types import FinishReason, GenerationEvent
 from .chat import start_chat
 from .errors import APIError, bad_request
 from .generation import deliver, error_of, stream_sse
-from .responses import logprob_content
+from .responses import logprob_content, to_json
 from .schemas import parse_chat_request
 from .state import AppState, read_json
 
@@ -289,7 +288,7 @@ class ResponseWriter:
     def event(self, kind: str, **fields) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        data = json.dumps(body, ensure_ascii=False, allow_nan=False)  # serialized now: a snapshot
+        data = to_json(body)  # serialized now: a snapshot
         return f"event: {kind}\ndata: {data}\n\n".encode("utf-8")
 
     def start(self) -> list[bytes]:
@@ -509,7 +508,7 @@ def _stream(state: AppState, events, chunks_for, writer: ResponseWriter):
         for chunk in writer.start():
             yield chunk
         # The Responses API ends with response.completed (or .failed), never [DONE].
-        async for chunk in stream_sse(events, chunks_for, writer.finish, state.heartbeat_s,
+        async for chunk in stream_sse(events, chunks_for, writer.finish,
                                       error_chunk=writer.failed, done=b""):
             yield chunk
 
