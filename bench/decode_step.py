@@ -44,7 +44,9 @@ def engine_step(
     return time_steps(step, steps)
 
 
-def check(model, rows: int, context: int, steps: int, use_decoder: bool = True) -> dict:
+def check(
+    model, rows: int, context: int, steps: int, use_decoder: bool = True, compiled: bool = True
+) -> dict:
     """Greedy tokens of ``rows`` ragged rows decoded together (the engine decode step,
     or without ``use_decoder`` the model code on batch caches) and each alone on its
     own cache through the model code: how many rows agree."""
@@ -68,6 +70,8 @@ def check(model, rows: int, context: int, steps: int, use_decoder: bool = True) 
     engine_batch = build_engine_batch(
         model, len(prompts), context, steps, ragged=True, use_decoder=use_decoder, prompts=prompts
     )
+    if engine_batch.store is not None and not compiled:
+        engine_batch.decoder.compiled = None  # build the step op by op
     together = [[t] for t in engine_batch.next_tokens.tolist()]
     for _ in range(steps - 1):
         for row, t in zip(together, engine_batch.step().tokens.tolist()):
@@ -76,11 +80,24 @@ def check(model, rows: int, context: int, steps: int, use_decoder: bool = True) 
     return {
         "rows": rows, "steps": steps, "rows_equal": sum(agree),
         "decode_path": "engine" if engine_batch.store is not None else "model code",
+        "compiled": engine_batch.store is not None and engine_batch.decoder.compiled is not None,
         "first_difference": [
             next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
             for a, b in zip(alone, together)
         ],
     }
+
+
+def grouped_attend(q, keys, values, scale, mask):
+    """The engine step's earlier attention, for comparison: a key/value head's query
+    heads as the rows of one matmul (no broadcast of the keys), an additive mask. It
+    rounds differently from MLX's own attention on CUDA (see bench/results/gpu-h100-burst)."""
+    slots, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    q = (q * scale).reshape(slots, kv_heads, heads // kv_heads, dim)
+    scores = mx.matmul(q, keys.swapaxes(-1, -2)) + mx.where(mask, 0.0, -mx.inf).astype(q.dtype)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return mx.matmul(weights, values).reshape(slots, heads * dim)
 
 
 def main() -> None:
@@ -91,11 +108,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--check", type=int, default=0, help="rows to check instead of timing")
     p.add_argument("--model-code", action="store_true", help="check the model-code batch path")
+    p.add_argument("--eager", action="store_true", help="check the engine step built op by op")
     p.add_argument("--out", default=None)
+    p.add_argument("--grouped-attention", action="store_true",
+                   help="the engine step with its earlier hand-grouped attention matmuls")
     args = p.parse_args()
+    if args.grouped_attention:
+        from vlm_serve.engine.decode import gemma3, llama
+
+        gemma3.attend = llama.attend = grouped_attend
     model, _ = load(args.model)
     if args.check:
-        result = check(model, args.check, args.context, args.steps, not args.model_code)
+        result = check(model, args.check, args.context, args.steps, not args.model_code, not args.eager)
     else:
         result = {"device": str(mx.default_device()), "context": args.context, "steps": {}}
         for b in (int(x) for x in args.batch_sizes.split(",")):

@@ -43,10 +43,9 @@ class Gemma3Decoder(StepDecoder):
     def forward(self, tokens, positions, indices, masks, keys, values):
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
         h = h * self.embed_scale.astype(h.dtype)
-        masks_add = self.additive_masks(masks, h.dtype)
         write = KVWriter(self, indices, masks, keys, values)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, masks_add[self.kind_index[i]], write, i)
+            h = layer(h, positions, masks[self.kind_index[i]], write, i)
         h = mx.fast.rms_norm(h, self.final_norm, self.eps)
         return self.head(h), write.keys, write.values
 

@@ -14,7 +14,6 @@ import os
 
 import mlx.core as mx
 
-from .attention import additive_mask
 from .store import LayerKind, SlotStore
 
 # Set VLM_SERVE_COMPILE_DECODE=0 to build the step op by op (for comparison).
@@ -25,7 +24,6 @@ class StepDecoder:
     def __init__(self, layer_kinds: list[LayerKind], heads: int, kv_heads: int, head_dim: int):
         self.layer_kinds = layer_kinds
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.groups = heads // kv_heads  # query heads per key/value head
         kinds = sorted({k.window or 0 for k in layer_kinds})
         self.kind_index = [kinds.index(k.window or 0) for k in layer_kinds]
         self.compiled = mx.compile(self.forward) if COMPILE else None
@@ -48,9 +46,6 @@ class StepDecoder:
 
     def forward(self, tokens, positions, indices, masks, keys, values):
         raise NotImplementedError
-
-    def additive_masks(self, masks: list[mx.array], dtype) -> list[mx.array]:
-        return [additive_mask(m, self.kv_heads, self.groups, dtype) for m in masks]
 
 
 class KVWriter:
