@@ -43,9 +43,9 @@ SLOW_VISION = set() if os.environ.get("VLM_SERVE_SLOW_TESTS") else {"phi3_v"}
 
 
 class FamilyHarness:
-    def __init__(self, arch: str, bits: int | None):
+    def __init__(self, arch: str, bits: int | None, preset: str = "tiny"):
         self.arch = arch
-        path = str(cached_model(arch, bits=bits))
+        path = str(cached_model(arch, preset=preset, bits=bits))
         config = SchedulerConfig(max_num_seqs=8, prefill_step_size=PREFILL_STEP,
                                  prefill_token_budget=PREFILL_STEP)
         self.engine = Engine(path, config)

@@ -5,7 +5,8 @@ batch caches."""
 
 from .gemma3 import Gemma3Decoder
 from .llama import LlamaDecoder
+from .ministral3 import Ministral3Decoder
 from .qwen2 import Qwen2Decoder
 from .store import SlotStore
 
-__all__ = ["Gemma3Decoder", "LlamaDecoder", "Qwen2Decoder", "SlotStore"]
+__all__ = ["Gemma3Decoder", "LlamaDecoder", "Ministral3Decoder", "Qwen2Decoder", "SlotStore"]

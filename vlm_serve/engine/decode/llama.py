@@ -1,7 +1,8 @@
 """The decode step of Llama-shaped language models on the slot store: RMSNorm, q/k/v/o
 projections (biases and q/k RMSNorm where the model has them), rotary positions, a
-SwiGLU MLP. Serves the text models of LLaVA, Idefics3/SmolVLM and InternVL, and (with
-its own positions, ``qwen2.py``) Qwen2-VL and Qwen2.5-VL.
+SwiGLU MLP. Serves the text models of LLaVA, Idefics3/SmolVLM, InternVL and Mistral 3,
+and (with their own positions, ``qwen2.py``) Qwen2-VL and Qwen2.5-VL, and (with sliding
+windows and attention scaling, ``ministral3.py``) Ministral 3.
 
 The same computation as mlx-vlm's model code for one token per row: fused q/k/v (with
 their biases) and gate/up matmuls, attention as in ``attention.py``, each layer's own
@@ -33,16 +34,22 @@ class LlamaDecoder(StepDecoder):
             self.head = StepLinear(self.lm.lm_head)
         else:
             self.head = StepLinear(text.embed_tokens, tied=True)
-        super().__init__(
-            [LayerKind(None) for _ in text.layers], attn.n_heads, attn.n_kv_heads, head_dim
-        )
+        super().__init__(self.layer_kinds_of(text), attn.n_heads, attn.n_kv_heads, head_dim)
 
-    def forward(self, tokens, positions, indices, masks, keys, values):
+    def layer_kinds_of(self, text) -> list[LayerKind]:
+        """Each layer's attention: full attention unless a subclass knows windows."""
+        return [LayerKind(None) for _ in text.layers]
+
+    def forward(self, tokens, positions, indices, masks, keys, values, q_scale=None):
+        """``q_scale`` (slots,): a per-row factor on the rotated queries (Ministral 3's
+        attention scaling, ``ministral3.py``); None: none."""
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
-        mask = masks[0]  # one layer kind: full attention
+        if q_scale is not None:  # cast once, as the model code casts before its layers
+            q_scale = q_scale.astype(h.dtype)[:, None, None, None]
         write = KVWriter(self, indices, masks, keys, values)
         for i, layer in enumerate(self.layers):
-            h = layer(self, h, positions, mask, write, i)
+            mask = masks[self.kind_index[i]]
+            h = layer(self, h, positions, mask, write, i, q_scale)
         return self.head(self.final_norm(h)), write.keys, write.values
 
     def rope(self, layer: "_Layer", x: mx.array, positions: mx.array) -> mx.array:
@@ -67,7 +74,8 @@ class _Layer:
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(mlp.down_proj)
 
-    def __call__(self, d: LlamaDecoder, x, positions, mask, write: KVWriter, index: int):
+    def __call__(self, d: LlamaDecoder, x, positions, mask, write: KVWriter, index: int,
+                 q_scale=None):
         B = x.shape[0]
         q, k, v = mx.split(self.qkv(self.input_norm(x)), self.qkv_split, axis=-1)
         # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
@@ -76,6 +84,8 @@ class _Layer:
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = d.rope(self, q, positions), d.rope(self, k, positions)
+        if q_scale is not None:
+            q = q * q_scale
         keys, values = write(index, k, v.reshape(B, d.kv_heads, 1, d.head_dim))
         h = x + self.o_proj(attend(q, keys, values, self.scale, mask))
         gate, up = mx.split(self.gate_up(self.post_norm(h)), self.gate_up_split, axis=-1)

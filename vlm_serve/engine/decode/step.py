@@ -1,9 +1,10 @@
 """What every engine decode step shares: the slot store's bookkeeping around a pure
 forward function of the step's arrays, optionally compiled.
 
-``forward(tokens, positions, write_indices, masks, keys, values)`` takes everything as
-arrays (the store's per-kind write indices and masks, its per-layer keys and values)
-and returns the logits and the updated keys and values, so it can be handed to
+``forward(tokens, positions, write_indices, masks, keys, values, *inputs)`` takes
+everything as arrays (the store's per-kind write indices and masks, its per-layer keys
+and values, and whatever further per-row arrays a decoder's ``step_inputs`` makes) and
+returns the logits and the updated keys and values, so it can be handed to
 ``mx.compile``: the graph is then traced once per shape and replayed from C++ instead
 of being rebuilt op by op in Python every step.
 """
@@ -39,12 +40,18 @@ class StepDecoder:
         masks = [layouts[k].mask for k in store.kinds]
         forward = self.compiled or self.forward
         logits, store.keys, store.values = forward(
-            tokens, rope_positions, indices, masks, store.keys, store.values
+            tokens, rope_positions, indices, masks, store.keys, store.values,
+            *self.step_inputs(store),
         )
         store.advance()
         return logits
 
-    def forward(self, tokens, positions, indices, masks, keys, values):
+    def step_inputs(self, store: SlotStore) -> tuple:
+        """Further per-row arrays of this step, made from what the host knows (the
+        store's lengths), passed to ``forward`` after ``values``."""
+        return ()
+
+    def forward(self, tokens, positions, indices, masks, keys, values, *inputs):
         raise NotImplementedError
 
 

@@ -1,10 +1,11 @@
 """Models whose language model is Llama-shaped (LLaVA, Idefics3, SmolVLM, InternVL,
 Mistral 3): nothing per request beyond the batch, and the engine's Llama-shaped decode
-step."""
+step (Ministral 3 text models: its subclass)."""
 
 from __future__ import annotations
 
 from ..decode.llama import LlamaDecoder
+from ..decode.ministral3 import Ministral3Decoder
 from .base import Family
 
 
@@ -19,12 +20,37 @@ class LlamaText(Family):
 
 
 class Mistral3(LlamaText):
-    """Mistral 3 (Pixtral's Mistral text model: Llama-shaped). Its Ministral 3 (sliding
-    windows, Llama 4 attention scaling) and Mistral 4 (mixture of experts) text models
-    decode through the model code."""
+    """Mistral 3 (and Magistral): Pixtral's Mistral text model takes the Llama-shaped
+    step; a Ministral 3 text model (sliding windows, Llama 4 attention scaling) its own.
+
+    mlx-vlm's Ministral 3 and Mistral 4 (mixture of experts) text models scale every
+    row's queries by the first row's position when decoding a batch cache, so their
+    model code is never batched: Ministral 3 is batched only on its engine step, and
+    Mistral 4, which has none, is served one row at a time."""
 
     name = "mistral3"
+    reason = ""  # why this model is served one row at a time, if it is
 
-    def __init__(self, model, vision_cache_size: int = 64):
-        super().__init__(model, vision_cache_size)
-        self.use_decoder = type(model.language_model.model).__name__ == "Mistral"
+    def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
+        super().__init__(model, *cache_bounds, **kwargs)
+        text = type(model.language_model.model).__name__
+        self.decoder_class = _DECODERS.get(text)
+        if text == "Mistral":
+            return
+        params = getattr(model.language_model.config, "rope_parameters", None) or {}
+        scaled = params.get("llama_4_scaling_beta")
+        if self.decoder_class is not None and self.decoder() is not None:
+            return
+        if scaled:
+            self.batched = False
+            self.reason = (f"its {text} text model scales queries by position, and mlx-vlm's "
+                           "code gives a batch the first row's")
+        else:
+            self.decoder_class = None  # no position scaling: the model code batches exactly
+
+    def describe(self) -> str:
+        return f"one request at a time ({self.reason})" if self.reason else super().describe()
+
+
+# Text model class -> its engine decode step.
+_DECODERS = {"Mistral": LlamaDecoder, "Ministral3": Ministral3Decoder}
