@@ -153,3 +153,19 @@ def test_without_its_engine_step_it_is_served_one_row_at_a_time(monkeypatch, cap
     assert not family.batched
     assert "one request at a time" in family.describe()
     assert "one request at a time" in caplog.text
+
+
+def test_a_mistral4_text_model_is_served_one_row_at_a_time():
+    """Mistral 4's model code scales queries the same way (the first row's position on
+    a batch cache) and has no engine step: never batched."""
+    from types import SimpleNamespace
+
+    from vlm_serve.engine.families.llama_text import Mistral3
+
+    text = type("Mistral4Model", (), {})()
+    config = SimpleNamespace(rope_parameters={"llama_4_scaling_beta": 0.1})
+    model = SimpleNamespace(config=SimpleNamespace(image_token_index=10),
+                            language_model=SimpleNamespace(model=text, config=config))
+    family = Mistral3(model)
+    assert not family.batched
+    assert "Mistral4Model" in family.describe() and "one request at a time" in family.describe()
