@@ -1,12 +1,18 @@
 """The vision-feature cache's bounds: least recently used sets go first, its bytes never
-pass the cap, a set larger than the cap is not kept, and a server whose cache is
-bounded small serves exactly what an unbounded one does."""
+pass the cap, a set larger than the cap is not kept, families build it with both bounds,
+a server whose cache is bounded small serves exactly what an unbounded one does, and
+/metrics shows it and the image cache as they fill, hit and evict."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import httpx
 import mlx.core as mx
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import data_url, make_image
+from vlm_serve.engine.families import FAMILIES, SerialFamily, family_for
 from vlm_serve.engine.vision_cache import VisionCache, features_bytes
 from vlm_serve.lru import SizedLRU
 
@@ -68,6 +74,19 @@ def test_vision_cache_sizes_features_by_their_arrays():
     assert off.get(("a",)) is None and off.bytes == 0
 
 
+def test_families_build_their_vision_cache_with_both_bounds():
+    class Probe:  # what the families' constructors read (an unknown text model)
+        def __init__(self, model_type):
+            self.config = SimpleNamespace(model_type=model_type)
+            self.vision_tower = object()
+            self.language_model = SimpleNamespace(model=object(), config=SimpleNamespace())
+
+    for model_type in [*FAMILIES, "brand_new_vlm"]:
+        family = family_for(Probe(model_type), 3, 12345)
+        assert (family.vision_cache.size, family.vision_cache.max_bytes) == (3, 12345), model_type
+    assert isinstance(family, SerialFamily)
+
+
 # Image sets in the order a few conversations send them; the same set comes back after
 # others pushed it out of a cache that holds one.
 IMAGES = [make_image(40, 30, 1), make_image(30, 50, 2), make_image(44, 44, 3)]
@@ -103,3 +122,61 @@ def test_a_small_vision_cache_serves_what_an_unbounded_one_does(start_server):
     small = bounded.scheduler.family.vision_cache
     assert small.evictions > 0 and 0 < small.bytes <= small.max_bytes and len(small) == 1
     assert small.hits >= 1  # (2,) twice in a row
+
+
+def _scrape(server) -> dict[str, float]:
+    """/metrics as {sample name: value} (counters under their ``_total`` names)."""
+    text = httpx.get(server.base_url + "/metrics").text
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.labels.get("model_name") == "tiny-gemma3"}
+
+
+def _ask(server, image) -> None:
+    server.client().chat.completions.create(
+        model=server.config.served_model_name, temperature=0, max_tokens=2,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": "what is this?"}]}],
+    )
+
+
+def test_metrics_show_both_media_caches_filling_hitting_and_evicting(start_server):
+    # No prefix cache: every image request reaches the vision cache.
+    server = start_server("gemma3", prefix_cache_size=0)
+    m = _scrape(server)
+    assert m["vlm_vision_cache_limit_bytes"] == 2**30  # the default --vision-cache-gb
+    assert m["vlm_image_cache_limit_bytes"] == 2**30
+    assert m["vlm_vision_cache_bytes"] == m["vlm_vision_cache_entries"] == 0
+
+    _ask(server, IMAGES[0])
+    first = _scrape(server)
+    one_image = first["vlm_vision_cache_bytes"]
+    assert one_image > 0 and first["vlm_vision_cache_entries"] == 1
+    assert first["vlm_image_cache_bytes"] > 0 and first["vlm_image_cache_entries"] >= 1
+    _ask(server, IMAGES[1])  # a new image: its features are added
+    second = _scrape(server)
+    assert second["vlm_vision_cache_bytes"] > one_image and second["vlm_vision_cache_entries"] == 2
+    _ask(server, IMAGES[0])  # resent: both caches answer, nothing grows
+    again = _scrape(server)
+    assert again["vlm_image_cache_hits_total"] > second["vlm_image_cache_hits_total"]
+    assert again["vlm_vision_cache_hits_total"] == second["vlm_vision_cache_hits_total"] + 1
+    assert again["vlm_vision_cache_bytes"] == second["vlm_vision_cache_bytes"]
+    assert again["vlm_image_cache_bytes"] == second["vlm_image_cache_bytes"]
+    assert again["vlm_vision_cache_evictions_total"] == again["vlm_image_cache_evictions_total"] == 0
+    server.stop()
+
+    # Room for one image's features (all three give the same number of tokens), and
+    # for two image cache entries (an image's decoded and processed forms).
+    gb = 1.5 * one_image / 2**30
+    small = start_server("gemma3", prefix_cache_size=0, vision_cache_gb=gb, image_cache_size=2)
+    limit = _scrape(small)["vlm_vision_cache_limit_bytes"]
+    assert limit == int(gb * 2**30) and one_image <= limit < 2 * one_image
+    evictions = []
+    for image in IMAGES:
+        _ask(small, image)
+        m = _scrape(small)
+        assert m["vlm_vision_cache_bytes"] == one_image <= limit  # the new image, alone
+        assert m["vlm_vision_cache_entries"] == 1 and m["vlm_image_cache_entries"] <= 2
+        evictions.append((m["vlm_vision_cache_evictions_total"], m["vlm_image_cache_evictions_total"]))
+    assert [v for v, _ in evictions] == [0, 1, 2]
+    assert evictions[0][1] < evictions[1][1] < evictions[2][1]

@@ -2,8 +2,10 @@
 
 Every series carries a ``model_name`` label, as vLLM's do. What vLLM has no name for
 keeps a ``vlm_`` name: requests by outcome (rejections included), KV memory in bytes
-and its limit, the prefix cache's size and evictions, vision-cache hits, prefills. No ``_created`` series (prometheus_client's per-series creation
-timestamps double the scrape and nothing reads them).
+and its limit, the prefix cache's size and evictions, the vision-feature and image
+caches' size, limit, hits and evictions, prefills. No ``_created`` series
+(prometheus_client's per-series creation timestamps double the scrape and nothing reads
+them).
 
 Each app has its own registry, so several servers can live in one process (tests).
 """
@@ -22,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..engine.types import GenerationEvent
+from ..lru import SizedLRU
 
 disable_created_metrics()
 
@@ -32,7 +35,7 @@ _VLLM_REASON = {"cancelled": "abort"}
 
 
 class Metrics:
-    def __init__(self, scheduler_stats, model_name: str):
+    def __init__(self, scheduler_stats, model_name: str, image_cache: SizedLRU | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -52,7 +55,7 @@ class Metrics:
                                       m, buckets=_ITL_BUCKETS, registry=r))
         self.e2e = labelled(Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish",
                                       m, buckets=_LATENCY_BUCKETS, registry=r))
-        r.register(_EngineCollector(scheduler_stats, model_name))
+        r.register(_EngineCollector(scheduler_stats, model_name, image_cache))
 
     def rejected(self, status: int) -> None:
         self._outcomes.labels(self.model_name, f"rejected_{status}").inc()
@@ -88,14 +91,21 @@ class Metrics:
 
 
 class _EngineCollector:
-    """Gauges and running totals read from the scheduler at scrape time."""
+    """Gauges and running totals read from the scheduler, and from the API side's image
+    cache, at scrape time."""
 
-    def __init__(self, scheduler_stats, model_name: str):
+    def __init__(self, scheduler_stats, model_name: str, image_cache: SizedLRU | None = None):
         self.stats = scheduler_stats
         self.model_name = model_name
+        self.image_cache = image_cache
 
     def collect(self):
         s = self.stats()
+        images = self.image_cache
+        if images is not None:
+            s.update(image_cache_entries=len(images), image_cache_bytes=images.bytes,
+                     image_cache_limit=images.max_bytes, image_cache_hits=images.hits,
+                     image_cache_evictions=images.evictions)
         limit = s.get("kv_memory_limit", 0)
         s["kv_memory_usage"] = s.get("kv_memory_used", 0) / limit if limit else 0.0
         for kind, name, doc, key in (
@@ -126,6 +136,24 @@ class _EngineCollector:
              "prompt count once)", "prefills"),
             (CounterMetricFamily, "vlm_vision_cache_hits", "Requests whose image features came "
              "from the vision cache", "vision_cache_hits"),
+            (GaugeMetricFamily, "vlm_vision_cache_entries", "Image sets whose vision features "
+             "the vision cache holds", "vision_cache_entries"),
+            (GaugeMetricFamily, "vlm_vision_cache_bytes", "Bytes of the vision features the vision "
+             "cache holds", "vision_cache_bytes"),
+            (GaugeMetricFamily, "vlm_vision_cache_limit_bytes", "The vision cache's byte limit "
+             "(--vision-cache-gb)", "vision_cache_limit"),
+            (CounterMetricFamily, "vlm_vision_cache_evictions", "Image sets' vision features "
+             "evicted to make room", "vision_cache_evictions"),
+            (GaugeMetricFamily, "vlm_image_cache_entries", "Entries the image cache holds: a "
+             "decoded image, or one request's processed images", "image_cache_entries"),
+            (GaugeMetricFamily, "vlm_image_cache_bytes", "Bytes of the decoded and processed "
+             "images the image cache holds", "image_cache_bytes"),
+            (GaugeMetricFamily, "vlm_image_cache_limit_bytes", "The image cache's byte limit "
+             "(--image-cache-gb)", "image_cache_limit"),
+            (CounterMetricFamily, "vlm_image_cache_hits", "Lookups answered by the image cache "
+             "(a decoded image, or a request's processed images)", "image_cache_hits"),
+            (CounterMetricFamily, "vlm_image_cache_evictions", "Image cache entries evicted to "
+             "make room", "image_cache_evictions"),
         ):
             family = kind(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], s.get(key, 0))

@@ -61,7 +61,8 @@ class AppState:
             fmt = "gemma3"  # such templates get the tool_code prompt: parse what it asks for
         self.tool_parser = get_parser(fmt) if fmt else None
         self.reasoning = GEMMA4 if self.loaded.model_type.startswith("gemma4") else None
-        self.metrics = Metrics(lambda: engine.scheduler.stats(), self.model_id)
+        self.metrics = Metrics(lambda: engine.scheduler.stats(), self.model_id,
+                               self.prompt_context.image_cache)
         self.heartbeat_s = 5.0
         self._token_texts: dict[int, str] = {}
 

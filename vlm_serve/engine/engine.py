@@ -19,7 +19,7 @@ from .families import family_for
 from .memory import KVBudget
 from .scheduler import Abort, Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
 from .types import FinishReason, GenerationEvent, PreparedRequest
-from .vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES, VisionCache
+from .vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .warmup import warm_up
 
 log = logging.getLogger("vlm_serve.engine")
@@ -96,9 +96,7 @@ class Engine:
             self.loaded = loader.load(self.model_name, self.chat_template, lazy=parallel is not None)
             if parallel is not None:
                 parallel.shard(self.loaded)  # before the family fuses the weights it decodes with
-            family = family_for(self.loaded.model, self.vision_cache_size)
-            # A family builds its cache with the entry bound; the byte bound is the server's.
-            family.vision_cache = VisionCache(self.vision_cache_size, self.vision_cache_bytes)
+            family = family_for(self.loaded.model, self.vision_cache_size, self.vision_cache_bytes)
             self.scheduler = (parallel.scheduler_class if parallel is not None else Scheduler)(
                 self.loaded.model,
                 family,

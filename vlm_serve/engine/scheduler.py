@@ -179,6 +179,7 @@ class Scheduler:
     def stats(self) -> dict:
         """A snapshot for metrics; safe to read from another thread."""
         prefixes = self.prefix_cache
+        vision = self.family.vision_cache
         return {
             "running": len(self.running),
             "waiting": self.waiting_rows,
@@ -197,7 +198,11 @@ class Scheduler:
             "prefix_cache_bytes": prefixes.nbytes if prefixes is not None else 0,
             "prefix_cache_entries": len(prefixes) if prefixes is not None else 0,
             "prefix_cache_evictions": prefixes.evictions if prefixes is not None else 0,
-            "vision_cache_hits": getattr(getattr(self.family, "vision_cache", None), "hits", 0),
+            "vision_cache_hits": vision.hits,
+            "vision_cache_evictions": vision.evictions,
+            "vision_cache_entries": len(vision),
+            "vision_cache_bytes": vision.bytes,
+            "vision_cache_limit": vision.max_bytes,
         }
 
     # -- KV memory ----------------------------------------------------------------------

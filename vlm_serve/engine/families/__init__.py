@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
 from .glm4v import Glm4V
@@ -43,16 +44,19 @@ FAMILIES: dict[str, type[Family]] = {
 }
 
 
-def family_for(model, vision_cache_size: int = 64) -> Family:
+def family_for(
+    model, vision_cache_size: int = 64, vision_cache_bytes: int = DEFAULT_VISION_CACHE_BYTES,
+) -> Family:
+    """The family of ``model``, its vision cache bounded by entries and bytes."""
     model_type = str(getattr(model.config, "model_type", ""))
     cls = FAMILIES.get(model_type)
     if cls is None:
         family = SerialFamily(
-            model, vision_cache_size,
+            model, vision_cache_size, vision_cache_bytes,
             reason=f"model type {model_type!r} is not verified for batched decoding",
         )
     else:
-        family = cls(model, vision_cache_size)
+        family = cls(model, vision_cache_size, vision_cache_bytes)
     report = log.info if family.batched else log.warning
     report("model type %s: %s", model_type or "?", family.describe())
     return family

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..vision_cache import VisionCache
+from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES, VisionCache
 
 log = logging.getLogger("vlm_serve.engine")
 
@@ -57,9 +57,12 @@ class Family:
     # prefilled alone.
     prefill_batch_axes: dict[str, int | None] = {}
 
-    def __init__(self, model, vision_cache_size: int = 64):
+    def __init__(
+        self, model, vision_cache_size: int = 64,
+        vision_cache_bytes: int = DEFAULT_VISION_CACHE_BYTES,
+    ):
         self.model = model
-        self.vision_cache = VisionCache(vision_cache_size)
+        self.vision_cache = VisionCache(vision_cache_size, vision_cache_bytes)
         # The placeholder ids image features replace: prompts with images may use the
         # prefix cache only when these are known (they are marked in its keys).
         config = model.config
@@ -212,8 +215,11 @@ class SerialFamily(Family):
     prefix_cache = False
     reason = "not verified for batched decoding"
 
-    def __init__(self, model, vision_cache_size: int = 64, reason: str | None = None):
-        super().__init__(model, vision_cache_size)
+    def __init__(
+        self, model, vision_cache_size: int = 64,
+        vision_cache_bytes: int = DEFAULT_VISION_CACHE_BYTES, reason: str | None = None,
+    ):
+        super().__init__(model, vision_cache_size, vision_cache_bytes)
         if reason:
             self.reason = reason
 

@@ -24,8 +24,8 @@ class QwenVL(Family):
     # position_ids are not given.
     prefill_batch_axes = {"position_ids": -2, "rope_deltas": 0, "image_grid_thw": None}
 
-    def __init__(self, model, vision_cache_size: int = 64):
-        super().__init__(model, vision_cache_size)
+    def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
+        super().__init__(model, *cache_bounds, **kwargs)
         if hasattr(model.vision_tower, "get_window_index"):
             skip_empty_windows(model.vision_tower)
 
