@@ -167,24 +167,47 @@ def server(start_server):
     return start_server("gemma3", max_num_seqs=4, prefix_cache_size=0)  # usage compares equal
 
 
-def _raw_events(server, body: dict) -> tuple[list, list[str]]:
-    """The stream's data payloads in order, and its comment lines."""
+class _Recording(httpx.BaseTransport):
+    """An HTTP transport that keeps a copy of every response body's bytes as they are
+    read, so a test sees the very stream the ``openai`` client parsed."""
+
+    def __init__(self):
+        self.inner = httpx.HTTPTransport()
+        self.received = bytearray()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        stream, received = response.stream, self.received
+
+        class Tee(httpx.SyncByteStream):
+            def __iter__(self):
+                for part in stream:
+                    received.extend(part)
+                    yield part
+
+            def close(self):
+                stream.close()
+
+        return httpx.Response(response.status_code, headers=response.headers, stream=Tee(),
+                              extensions=response.extensions)
+
+
+def _stream_both_ways(server, body: dict) -> tuple[list[dict], list, list[str]]:
+    """One streamed request: the chunks the ``openai`` client read, and from the same
+    bytes on the wire the data payloads in order and the comment lines."""
+    recording = _Recording()
+    client = server.client(http_client=httpx.Client(transport=recording, timeout=30))
+    body = {k: v for k, v in body.items() if k != "stream"}
+    stream = client.chat.completions.create(model="tiny-gemma3", stream=True, **body)
+    chunks = [chunk.model_dump(exclude_unset=True) for chunk in stream]
     data, comments = [], []
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=30) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                payload = line[len("data: "):]
-                data.append(payload if payload == "[DONE]" else json.loads(payload))
-            elif line.startswith(":"):
-                comments.append(line)
-    return data, comments
-
-
-def _client_chunks(server, body: dict) -> list[dict]:
-    body = dict(body)
-    del body["stream"]
-    stream = server.client().chat.completions.create(model="tiny-gemma3", stream=True, **body)
-    return [chunk.model_dump(exclude_unset=True) for chunk in stream]
+    for line in recording.received.decode().splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            data.append(payload if payload == "[DONE]" else json.loads(payload))
+        elif line.startswith(":"):
+            comments.append(line)
+    return chunks, data, comments
 
 
 BODY = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12,
@@ -197,10 +220,17 @@ def _essence(chunk: dict) -> tuple:
     return tuple(choices), json.dumps(chunk.get("usage"), sort_keys=True)
 
 
+def _answer(chunks: list[dict]) -> tuple:
+    """What a stream says, whatever its chunking (how many tokens share a chunk depends
+    on timing): the text, the finish reasons and the usage."""
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    return text, finish, [c["usage"] for c in chunks if c.get("usage")]
+
+
 def test_the_openai_client_reads_every_event_of_the_stream_in_order(server):
-    raw, _ = _raw_events(server, BODY)
+    chunks, raw, _ = _stream_both_ways(server, BODY)
     assert raw[-1] == "[DONE]"
-    chunks = _client_chunks(server, BODY)
     # The last write holds the last token, its finish chunk, the usage chunk and [DONE].
     assert [_essence(c) for c in chunks] == [_essence(c) for c in raw[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 12
@@ -208,7 +238,7 @@ def test_the_openai_client_reads_every_event_of_the_stream_in_order(server):
 
 
 def test_keep_alives_in_a_silence_leave_the_events_the_clients_read_unchanged(server):
-    expected = _client_chunks(server, BODY)
+    expected, _, _ = _stream_both_ways(server, BODY)
     state = server.app.state.vlm
     slow_once = threading.Event()
 
@@ -220,12 +250,12 @@ def test_keep_alives_in_a_silence_leave_the_events_the_clients_read_unchanged(se
     state.heartbeat_s = 0.05
     server.scheduler.fault_hook = hook
     try:
-        raw, comments = _raw_events(server, BODY)
-        slow_once.clear()
-        chunks = _client_chunks(server, BODY)
+        chunks, raw, comments = _stream_both_ways(server, BODY)
     finally:
         server.scheduler.fault_hook = None
         state.heartbeat_s = 5.0
     assert comments and set(comments) == {": keep-alive"}
-    assert [_essence(c) for c in raw[:-1]] == [_essence(c) for c in expected]
-    assert [_essence(c) for c in chunks] == [_essence(c) for c in expected]
+    # The client skips the comments and reads every event of the stream, in order ...
+    assert [_essence(c) for c in chunks] == [_essence(c) for c in raw[:-1]]
+    # ... and the answer is the one a stream without keep-alives gave.
+    assert _answer(chunks) == _answer(expected)
