@@ -1,8 +1,8 @@
 """One decode step, several ways: mlx-vlm's plain forward (all rows the same length,
 the model's own caches), the engine's batch through the model code on mlx-lm's batch
-caches, and the engine's batch through the family's own decode step (compiled, and
-built op by op). Rows are ragged text rows
-of about ``--context`` tokens; times are per step, greedy, no scheduler.
+caches, and the engine's batch through the family's own decode step (compiled, built op
+by op, and compiled with its earlier grouped attention matmuls for comparison). Rows are
+ragged text rows of about ``--context`` tokens; times are per step, greedy, no scheduler.
 
     python bench/decode_step.py --model DIR --batch-sizes 1,8,32,64 --context 320
     python bench/decode_step.py --model DIR --check 8   # greedy tokens: batch vs one at a time
@@ -100,6 +100,18 @@ def grouped_attend(q, keys, values, scale, mask):
     return mx.matmul(weights, values).reshape(slots, heads * dim)
 
 
+def with_grouped_attention(run):
+    """``run()`` with the engine step's attention in the grouped form."""
+    from vlm_serve.engine.decode import gemma3, llama
+
+    saved = gemma3.attend, llama.attend
+    gemma3.attend = llama.attend = grouped_attend
+    try:
+        return run()
+    finally:
+        gemma3.attend, llama.attend = saved
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -111,15 +123,15 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="check the engine step built op by op")
     p.add_argument("--out", default=None)
     p.add_argument("--grouped-attention", action="store_true",
-                   help="the engine step with its earlier hand-grouped attention matmuls")
+                   help="check the engine step with its earlier grouped attention matmuls "
+                        "(timings always include it as engine_grouped_ms)")
     args = p.parse_args()
-    if args.grouped_attention:
-        from vlm_serve.engine.decode import gemma3, llama
-
-        gemma3.attend = llama.attend = grouped_attend
     model, _ = load(args.model)
     if args.check:
-        result = check(model, args.check, args.context, args.steps, not args.model_code, not args.eager)
+        def run():
+            return check(model, args.check, args.context, args.steps, not args.model_code, not args.eager)
+
+        result = with_grouped_attention(run) if args.grouped_attention else run()
     else:
         result = {"device": str(mx.default_device()), "context": args.context, "steps": {}}
         for b in (int(x) for x in args.batch_sizes.split(",")):
@@ -128,6 +140,8 @@ def main() -> None:
                 "model_code_ms": engine_step(model, b, args.context, args.steps, False),
                 "engine_ms": engine_step(model, b, args.context, args.steps, True),
                 "engine_eager_ms": engine_step(model, b, args.context, args.steps, True, False),
+                "engine_grouped_ms": with_grouped_attention(
+                    lambda: engine_step(model, b, args.context, args.steps, True)),
             }
             row = {k: round(v, 3) if v is not None else None for k, v in row.items()}
             result["steps"][b] = row
