@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The decode-path targets' numbers on one GPU, in one run (Gemma-3-4B shape, random bf16):
+#   check      batch-vs-alone greedy agreement, tiny float32 Gemma 3 and Qwen2.5-VL
+#   steps      decode step per batch size: plain forward, model code, engine step
+#              (compiled, op by op, and with its earlier grouped attention)
+#   burst      64 image requests at once, engine only: vlm-serve vs mlx-vlm's batch_generate
+#   servers    closed-loop ~256-token text chats: the plain forward's rates (envelope),
+#              vlm-serve and vllm-mlx at concurrency $SWEEP (bench/gpu/run.sh, LOAD=text)
+#   multiturn  multi-turn image chat: each turn's TTFT split into its stages
+# Everything writes under $OUT; PARTS picks what runs (each part takes minutes: split
+# long runs into several invocations on the same machine), e.g.
+#   OUT=DIR PARTS="check steps burst" bash bench/gpu/decode_path.sh
+#   OUT=DIR PARTS="servers multiturn" bash bench/gpu/decode_path.sh
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu-decode-path}
+PARTS=${PARTS:-check steps burst servers multiturn}
+MODEL=/tmp/vlm-bench-gemma3-4b
+export PYTHONPATH=$PWD
+mkdir -p "$OUT"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+
+python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
+[ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out "$MODEL"
+
+if has check; then
+  for arch in gemma3 qwen2_5_vl; do
+    tiny=/tmp/vlm-tiny-$arch
+    [ -f "$tiny/config.json" ] || python3 -m fixtures.build --arch $arch --out "$tiny" > /dev/null
+    python3 bench/decode_step.py --model "$tiny" --check 8 --context 100 --steps 40 \
+        --out "$OUT/check-$arch.json" | grep rows_equal
+  done
+fi
+if has steps; then
+  python3 bench/decode_step.py --model "$MODEL" --batch-sizes "${SIZES:-1,64,128}" --context 320 \
+      --out "$OUT/steps.json" | grep "_ms"
+fi
+if has burst; then
+  OUT=$OUT bash bench/gpu/burst.sh gemma3-4b
+fi
+if has servers; then
+  OUT=$OUT SERVERS="envelope vlm-serve vllm-mlx" LOAD=text SWEEP=${SWEEP:-1,8,32,64} \
+      bash bench/gpu/run.sh gemma3-4b
+fi
+if has multiturn; then
+  python3 bench/multiturn_breakdown.py --model "$MODEL" --image-size 896 --turns 3 --conversations 2 \
+      --max-tokens 16 --result-json "$OUT/multiturn-breakdown.json" | tail -8
+fi
