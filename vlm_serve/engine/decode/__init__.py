@@ -4,9 +4,13 @@ what they share). A family without one decodes through mlx-vlm's model code on m
 batch caches."""
 
 from .gemma3 import Gemma3Decoder
+from .gemma4 import Gemma4Decoder
 from .llama import LlamaDecoder
 from .ministral3 import Ministral3Decoder
 from .qwen2 import Qwen2Decoder
 from .store import SlotStore
 
-__all__ = ["Gemma3Decoder", "LlamaDecoder", "Ministral3Decoder", "Qwen2Decoder", "SlotStore"]
+__all__ = [
+    "Gemma3Decoder", "Gemma4Decoder", "LlamaDecoder", "Ministral3Decoder", "Qwen2Decoder",
+    "SlotStore",
+]

@@ -1,6 +1,8 @@
 """The batch's KV memory: one preallocated store per layer, a slot per row.
 
-Each layer keeps keys and values of shape (slots, kv_heads, columns, head_dim). A row's
+Each layer keeps keys and values of shape (slots, kv_heads, columns, head_dim), its own
+head shape where its ``LayerKind`` says so (a layer that reads another layer's keys and
+values, as Gemma 4's KV-shared layers, is not in the store). A row's
 token at position p sits in column p of its slot (a sliding-window layer keeps a ring of
 ``window`` columns: column p % window). Rows never share columns and are never padded
 against each other, so:
@@ -47,9 +49,13 @@ def slot_bucket(rows: int) -> int:
 
 @dataclass
 class LayerKind:
-    """Layers that share a mask: full attention (window None) or one sliding window."""
+    """Layers that share a mask: full attention (window None) or one sliding window.
+    ``kv_heads``/``head_dim``: this layer's, where they differ from the store's (Gemma 4's
+    full-attention layers have wider heads); every layer of one kind has the same."""
 
     window: int | None
+    kv_heads: int | None = None
+    head_dim: int | None = None
 
 
 @dataclass
@@ -66,6 +72,12 @@ class SlotStore:
         self.kinds = sorted({k.window or 0 for k in layer_kinds})
         self.kv_heads = kv_heads
         self.head_dim = head_dim
+        # Per kind (window or 0): the (kv_heads, head_dim) of its layers.
+        self.kind_dims: dict[int, tuple[int, int]] = {}
+        for kind in layer_kinds:
+            dims = self._dims(kind)
+            if self.kind_dims.setdefault(kind.window or 0, dims) != dims:
+                raise ValueError(f"layers of window {kind.window} differ in head shape")
         self.keys: list[mx.array] | None = None
         self.values: list[mx.array] | None = None
         self.lengths: list[int] = []  # tokens each live row holds (its next position)
@@ -89,6 +101,9 @@ class SlotStore:
             return 0
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
+    def _dims(self, kind: LayerKind) -> tuple[int, int]:
+        return kind.kv_heads or self.kv_heads, kind.head_dim or self.head_dim
+
     def _columns(self, kind: LayerKind, needed: int) -> int:
         columns = -(-needed // COLUMN_STEP) * COLUMN_STEP
         return min(columns, kind.window) if kind.window else columns
@@ -107,7 +122,8 @@ class SlotStore:
                     keys.append(old)
                     values.append(self.values[i])
                     continue
-            shape = (slots, self.kv_heads, columns, self.head_dim)
+            kv_heads, head_dim = self._dims(kind)
+            shape = (slots, kv_heads, columns, head_dim)
             k, v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
             if old is not None and self.rows:
                 n, c = self.rows, min(columns, old.shape[2])
@@ -206,8 +222,9 @@ class SlotStore:
                 columns = self.lengths + padding
                 span = attention_span(longest)
             column = mx.array(columns, mx.int32)
+            kv_heads, head_dim = self.kind_dims[window]
             write_index = mx.broadcast_to(
-                column[:, None, None, None], (self.slots, self.kv_heads, 1, self.head_dim)
+                column[:, None, None, None], (self.slots, kv_heads, 1, head_dim)
             )
             # A ring column i holds a valid key once i <= position (it fills from 0 and
             # then keeps the last `window` positions); a full-attention column the same.

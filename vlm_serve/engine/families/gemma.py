@@ -1,5 +1,6 @@
-"""Gemma 3 and Gemma 4: batched as they are (sliding windows come from their own
-cache classes); the vision tower's output is cached for repeated images."""
+"""Gemma 3 and Gemma 4: batched, each on its engine decode step (``decode/gemma3.py``,
+``decode/gemma4.py``; Gemma 4's mixture-of-experts models on mlx-vlm's model code);
+the vision tower's output is cached for repeated images."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 
 import mlx.core as mx
 
-from ..decode import Gemma3Decoder
+from ..decode import Gemma3Decoder, Gemma4Decoder
 from .base import Family
 
 
@@ -39,6 +40,7 @@ class Gemma3(Family):
 
 class Gemma4(Family):
     name = "gemma4"
+    decoder_class = Gemma4Decoder
     # Text prompts share prefill passes; image prompts (whole-prompt prefill with
     # bidirectional attention over image tokens, variable image sizes) stay alone.
     batch_prefill = True
@@ -46,6 +48,13 @@ class Gemma4(Family):
     # Reusing an image prompt's prefix does not reproduce its tokens yet (its attention
     # over image tokens is bidirectional): image prompts are prefilled whole.
     image_prefix_cache = False
+
+    def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
+        super().__init__(model, *cache_bounds, **kwargs)
+        if getattr(model.language_model.config, "enable_moe_block", False):
+            # The mixture-of-experts models (26B A4B) have no engine step: their model
+            # code batches them on mlx-lm's batch caches.
+            self.decoder_class = None
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return self.model.encode_image(pixel_values, inputs.get("image_position_ids"))

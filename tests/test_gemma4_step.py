@@ -1,0 +1,191 @@
+"""Gemma 4 decodes through the engine's own step (``decode/gemma4.py``), and batched rows
+equal each row decoded alone.
+
+The tiny fixture has sliding and full layers with different head sizes, per-layer
+inputs and two KV-shared layers (the store holds the four layers before them). A second
+variant of it, written here from the fixture's weights, turns on ``attention_k_eq_v``
+with its own kv head count on full layers (no value projection: values are the raw
+keys), and gives the norms and layer scalars weights other than one.
+
+The oracle is mlx-vlm's ``generate_step`` on a separately loaded copy of the model, one
+request at a time, fed the same token ids and processor outputs as the engine. The
+parity suites (``test_parity.py``, ``test_families.py``) run the fixture itself through
+the engine too; here rows run long enough to wrap the sliding window (32).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx_vlm import load as vlm_load
+from mlx_vlm.generate import generate_step
+
+from vlm_serve.engine.decode import Gemma4Decoder
+from vlm_serve.engine.engine import Engine
+from vlm_serve.engine.families.gemma import Gemma4
+from vlm_serve.engine.scheduler import SchedulerConfig
+from vlm_serve.engine.types import SamplingParams
+from vlm_serve.fixtures.build import cached_model
+from vlm_serve.preprocess.media import MediaPolicy
+from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+from conftest import make_image
+from test_parity import LONG_TEXT, run_jobs
+
+PREFILL_STEP = 32
+WINDOW = 32  # the fixture's sliding window
+GLOBAL_KV_HEADS = 2  # the k_eq_v variant's kv heads on full-attention layers
+
+
+def write_k_eq_v_variant(source, out) -> None:
+    """The tiny fixture with ``attention_k_eq_v`` on: its full-attention layers that own
+    KV lose their value projection and get a key projection for GLOBAL_KV_HEADS heads;
+    norms and layer scalars get weights other than one."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    text = config["text_config"]
+    text["attention_k_eq_v"] = True
+    text["num_global_key_value_heads"] = GLOBAL_KV_HEADS
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    owners = text["num_hidden_layers"] - text["num_kv_shared_layers"]
+    full = [i for i, kind in enumerate(text["layer_types"][:owners]) if kind == "full_attention"]
+    weights = mx.load(str(out / "model.safetensors"))
+    key = mx.random.key(4)
+    for name in list(weights):
+        if not name.startswith("language_model."):
+            continue
+        key, sub = mx.random.split(key)
+        if name.endswith("norm.weight") or name.endswith("layer_scalar"):
+            weights[name] = 1.0 + 0.2 * mx.random.normal(weights[name].shape, key=sub)
+        for i in full:
+            prefix = f"language_model.model.layers.{i}.self_attn."
+            if name == prefix + "v_proj.weight":
+                del weights[name]
+            elif name == prefix + "k_proj.weight":
+                rows = GLOBAL_KV_HEADS * text["global_head_dim"]
+                std = text["hidden_size"] ** -0.5
+                weights[name] = std * mx.random.normal((rows, text["hidden_size"]), key=sub)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+
+
+class Harness:
+    def __init__(self, path: str):
+        config = SchedulerConfig(max_num_seqs=8, prefill_step_size=PREFILL_STEP,
+                                 prefill_token_budget=PREFILL_STEP)
+        self.engine = Engine(path, config)
+        self.engine.start()
+        loaded = self.engine.loaded
+        self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8,
+                                 loaded.chat_template)
+        self.oracle_model, _ = vlm_load(path)
+
+    def prepare(self, rid: str, text: str, images=(), max_tokens: int = 40, chat: bool = True):
+        """``chat`` off: ``text`` is the whole prompt (a few tokens, inside the window)."""
+        prompt = text
+        if chat:
+            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+            prompt = render_chat(self.ctx, [{"role": "user", "content": parts}])
+        # Every row runs its full length, across the window's wrap.
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return prepare_prompt(self.ctx, rid, prompt, params, list(images))
+
+    def oracle(self, prepared) -> list[int]:
+        arrays = {
+            k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
+            for k, v in prepared.model_inputs.items()
+        }
+        pixel_values = arrays.pop("pixel_values", None)
+        mask = arrays.pop("attention_mask", None)
+        ids = mx.array(prepared.input_ids)[None]
+        if mask is None and pixel_values is not None:
+            mask = mx.ones(ids.shape, mx.int32)
+        n = prepared.sampling.max_tokens
+        steps = generate_step(ids, self.oracle_model, pixel_values, mask, max_tokens=n,
+                              temperature=0.0, prefill_step_size=PREFILL_STEP, **arrays)
+        return [int(token) for token, _ in itertools.islice(steps, n)]
+
+
+@pytest.fixture(scope="module")
+def k_eq_v_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma4-k-eq-v") / "model"
+    write_k_eq_v_variant(cached_model("gemma4"), out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["f32", "q4", "k_eq_v"])
+def harness(request, k_eq_v_path):
+    if request.param == "k_eq_v":
+        path = k_eq_v_path
+    else:
+        path = cached_model("gemma4", bits=4 if request.param == "q4" else None)
+    h = Harness(str(path))
+    h.variant = request.param
+    yield h
+    h.engine.shutdown()
+
+
+def test_gemma4_decodes_through_its_own_step_on_the_kv_owning_layers(harness):
+    run_jobs(harness.engine, [(harness.prepare("probe", "Hi", max_tokens=3, chat=False), None, None)])
+    batch = harness.engine.scheduler.batch
+    assert type(batch.decoder) is Gemma4Decoder
+    text = harness.oracle_model.language_model.model
+    owners = text.first_kv_shared_layer_idx
+    assert 0 < owners < len(text.layers)  # the fixture has KV-shared layers
+    kinds = batch.store.layer_kinds
+    assert len(kinds) == owners  # the shared layers hold no KV of their own
+    config = text.config
+    kv_heads = GLOBAL_KV_HEADS if harness.variant == "k_eq_v" else config.num_key_value_heads
+    for kind, layer_type in zip(kinds, config.layer_types):
+        if layer_type == "full_attention":
+            assert (kind.window, kind.kv_heads, kind.head_dim) == (
+                None, kv_heads, config.global_head_dim)
+        else:
+            assert (kind.window, kind.kv_heads, kind.head_dim) == (
+                WINDOW, config.num_key_value_heads, config.head_dim)
+    if harness.variant == "k_eq_v":
+        full = next(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+        assert text.layers[full].self_attn.use_k_eq_v
+        assert "v_proj" not in text.layers[full].self_attn
+
+
+def test_rows_across_the_window_joining_and_leaving_match_alone(harness):
+    h = harness
+    jobs = [
+        # Raw prompts of a few tokens: their sliding window fills and wraps while decoding.
+        (h.prepare("raw-short", "Hi", max_tokens=44, chat=False), None, None),
+        (h.prepare("raw-mid", LONG_TEXT[:60], max_tokens=40, chat=False), None, None),
+        # Chat prompts: hundreds of tokens, each at its own place in the ring.
+        (h.prepare("chat-short", "Hi!", max_tokens=20), None, None),
+        (h.prepare("chat-image", "Describe this picture.", [make_image(60, 40, 1)], 24), None, None),
+        (h.prepare("chat-long", LONG_TEXT[:300] + " Summarise.", max_tokens=30), None, None),
+        # Joining mid-decode, after others have left or while they run.
+        (h.prepare("late-text", "What colours are here, and why?", max_tokens=30),
+         ("raw-short", 9), None),
+        (h.prepare("late-image", "Read it.", [make_image(90, 120, 2)], max_tokens=26),
+         ("chat-short", 17), None),
+    ]
+    results = run_jobs(h.engine, jobs)
+    assert type(h.engine.scheduler.batch.decoder) is Gemma4Decoder
+    assert h.engine.scheduler.peak_running >= 5  # the rows really shared decode steps
+    for prepared, _, _ in jobs:
+        rid = prepared.request_id
+        result = results[rid]
+        assert result["error"] is None, result["error"]
+        expected = h.oracle(prepared)
+        assert result["tokens"] == expected, f"{h.variant} {rid}: batched {result['tokens']} != alone {expected}"
+
+
+def test_moe_gemma4_stays_on_the_model_code():
+    """The mixture-of-experts variant has no engine step: the family says so up front,
+    and the step refuses it (``Family.decoder`` then falls back with a warning)."""
+    model, _ = vlm_load(str(cached_model("gemma4")))
+    model.language_model.config.enable_moe_block = True  # only the flag is read
+    family = Gemma4(model)
+    assert family.decoder() is None
+    assert "model code" in family.describe()
+    with pytest.raises(TypeError):
+        Gemma4Decoder(model)
