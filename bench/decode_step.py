@@ -11,6 +11,7 @@ ragged text rows of about ``--context`` tokens; times are per step, greedy, no s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,15 +46,46 @@ def engine_step(
 
 
 def check(
-    model, rows: int, context: int, steps: int, use_decoder: bool = True, compiled: bool = True
+    model, rows: int, context: int, steps: int, use_decoder: bool = True, compiled: bool = True,
+    engine_alone: bool = False,
 ) -> dict:
     """Greedy tokens of ``rows`` ragged rows decoded together (the engine decode step,
-    or without ``use_decoder`` the model code on batch caches) and each alone on its
-    own cache through the model code: how many rows agree."""
-    lm = model.language_model
-    family = family_for(model)
+    or without ``use_decoder`` the model code on batch caches) and each alone: on its
+    own cache through the model code, or with ``engine_alone`` as a batch of one on the
+    same path (a request served alone by the engine): how many rows agree."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(10, id_limit(model), context - 13 * i).astype(np.int32) for i in range(rows)]
+    decode = functools.partial(_decode_together, model, context, steps, use_decoder, compiled)
+    alone = [decode([ids])[0] for ids in prompts] if engine_alone else _alone_model_code(model, prompts, steps)
+    together = decode(prompts)
+    agree = [a == b for a, b in zip(alone, together)]
+    return {
+        "rows": rows, "steps": steps, "rows_equal": sum(agree),
+        "decode_path": "engine" if use_decoder and family_for(model).decoder_class else "model code",
+        "compiled": compiled, "alone": "engine" if engine_alone else "model code",
+        "first_difference": [
+            next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            for a, b in zip(alone, together)
+        ],
+    }
+
+
+def _decode_together(model, context, steps, use_decoder, compiled, prompts) -> list[list[int]]:
+    engine_batch = build_engine_batch(
+        model, len(prompts), context, steps, ragged=True, use_decoder=use_decoder, prompts=prompts
+    )
+    if engine_batch.store is not None and not compiled:
+        engine_batch.decoder.compiled = None  # build the step op by op
+    together = [[t] for t in engine_batch.next_tokens.tolist()]
+    for _ in range(steps - 1):
+        for row, t in zip(together, engine_batch.step().tokens.tolist()):
+            row.append(t)
+    return together
+
+
+def _alone_model_code(model, prompts, steps) -> list[list[int]]:
+    lm = model.language_model
+    family = family_for(model)
     alone = []
     for i, ids in enumerate(prompts):
         prefill = Prefill(model, family, PreparedRequest(f"a{i}", ids, SamplingParams()), 4096)
@@ -67,25 +99,7 @@ def check(
             token = mx.argmax(logits, axis=-1)
             out.append(token.item())
         alone.append(out)
-    engine_batch = build_engine_batch(
-        model, len(prompts), context, steps, ragged=True, use_decoder=use_decoder, prompts=prompts
-    )
-    if engine_batch.store is not None and not compiled:
-        engine_batch.decoder.compiled = None  # build the step op by op
-    together = [[t] for t in engine_batch.next_tokens.tolist()]
-    for _ in range(steps - 1):
-        for row, t in zip(together, engine_batch.step().tokens.tolist()):
-            row.append(t)
-    agree = [a == b for a, b in zip(alone, together)]
-    return {
-        "rows": rows, "steps": steps, "rows_equal": sum(agree),
-        "decode_path": "engine" if engine_batch.store is not None else "model code",
-        "compiled": engine_batch.store is not None and engine_batch.decoder.compiled is not None,
-        "first_difference": [
-            next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            for a, b in zip(alone, together)
-        ],
-    }
+    return alone
 
 
 def grouped_attend(q, keys, values, scale, mask):
@@ -121,6 +135,8 @@ def main() -> None:
     p.add_argument("--check", type=int, default=0, help="rows to check instead of timing")
     p.add_argument("--model-code", action="store_true", help="check the model-code batch path")
     p.add_argument("--eager", action="store_true", help="check the engine step built op by op")
+    p.add_argument("--engine-alone", action="store_true",
+                   help="check against each row alone through the same path, not the model code")
     p.add_argument("--out", default=None)
     p.add_argument("--grouped-attention", action="store_true",
                    help="check the engine step with its earlier grouped attention matmuls "
@@ -129,7 +145,8 @@ def main() -> None:
     model, _ = load(args.model)
     if args.check:
         def run():
-            return check(model, args.check, args.context, args.steps, not args.model_code, not args.eager)
+            return check(model, args.check, args.context, args.steps, not args.model_code,
+                         not args.eager, args.engine_alone)
 
         result = with_grouped_attention(run) if args.grouped_attention else run()
     else:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The decode-path targets' numbers on one GPU, in one run (Gemma-3-4B shape, random bf16):
-#   check      batch-vs-alone greedy agreement, tiny float32 Gemma 3 and Qwen2.5-VL
+#   check      batch-vs-alone greedy agreement, tiny float32 Gemma 3 and Qwen2.5-VL: the
+#              engine step against each row alone through the model code, and against
+#              each row alone through the engine, with either attention form
 #   steps      decode step per batch size: plain forward, model code, engine step
 #              (compiled, op by op, and with its earlier grouped attention)
 #   burst      64 image requests at once, engine only: vlm-serve vs mlx-vlm's batch_generate
@@ -27,8 +29,15 @@ if has check; then
   for arch in gemma3 qwen2_5_vl; do
     tiny=/tmp/vlm-tiny-$arch
     [ -f "$tiny/config.json" ] || python3 -m fixtures.build --arch $arch --out "$tiny" > /dev/null
-    python3 bench/decode_step.py --model "$tiny" --check 8 --context 100 --steps 40 \
-        --out "$OUT/check-$arch.json" | grep rows_equal
+    for variant in model-code-alone engine-alone grouped-engine-alone; do
+      case $variant in
+        model-code-alone) flags="" ;;
+        engine-alone) flags="--engine-alone" ;;
+        grouped-engine-alone) flags="--engine-alone --grouped-attention" ;;
+      esac
+      echo "$arch $variant: $(python3 bench/decode_step.py --model "$tiny" --check 8 --context 100 \
+          --steps 40 $flags --out "$OUT/check-$arch-$variant.json" | grep rows_equal)"
+    done
   done
 fi
 if has steps; then
