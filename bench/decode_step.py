@@ -1,7 +1,7 @@
 """One decode step, several ways: mlx-vlm's plain forward (all rows the same length,
 the model's own caches), the engine's batch through the model code on mlx-lm's batch
 caches, and the engine's batch through the family's own decode step (compiled, built op
-by op, and compiled with its earlier grouped attention matmuls for comparison). Rows are
+by op, and compiled with other forms of its attention for comparison). Rows are
 ragged text rows of about ``--context`` tokens; times are per step, greedy, no scheduler.
 
     python bench/decode_step.py --model DIR --batch-sizes 1,8,32,64 --context 320
@@ -103,9 +103,9 @@ def _alone_model_code(model, prompts, steps) -> list[list[int]]:
 
 
 def grouped_attend(q, keys, values, scale, mask):
-    """The engine step's earlier attention, for comparison: a key/value head's query
-    heads as the rows of one matmul (no broadcast of the keys), an additive mask. It
-    rounds differently from MLX's own attention on CUDA (see bench/results/gpu-h100-burst)."""
+    """The engine step's earlier attention: a key/value head's query heads as the rows
+    of one matmul (no broadcast of the keys), an additive mask. It rounds differently
+    from MLX's own attention on CUDA (see bench/results/gpu-h100-burst)."""
     slots, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     q = (q * scale).reshape(slots, kv_heads, heads // kv_heads, dim)
@@ -114,12 +114,32 @@ def grouped_attend(q, keys, values, scale, mask):
     return mx.matmul(weights, values).reshape(slots, heads * dim)
 
 
-def with_grouped_attention(run):
-    """``run()`` with the engine step's attention in the grouped form."""
+def per_head_attend(q, keys, values, scale, mask):
+    """One query row per matmul, as MLX's own composition has it, but each query head of
+    a group against its key/value head in a matmul of its own instead of broadcasting
+    the keys to every query head: more matmuls, no copies of the keys."""
+    slots, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    q = (q * scale).reshape(slots, kv_heads, groups, 1, dim)
+    kt = keys.swapaxes(-1, -2)
+    scores = mx.concatenate([mx.matmul(q[:, :, g], kt) for g in range(groups)], axis=2)
+    weights = mx.softmax(mx.where(mask, scores, -mx.inf), axis=-1, precise=True)
+    out = [mx.matmul(weights[:, :, g:g + 1], values) for g in range(groups)]
+    return mx.concatenate(out, axis=2).reshape(slots, heads * dim)
+
+
+ATTENTION_FORMS = {"grouped": grouped_attend, "per-head": per_head_attend}
+
+
+def with_attention(form: str | None, run):
+    """``run()`` with the engine step's attention in another form (None: its own)."""
     from vlm_serve.engine.decode import gemma3, llama
 
+    if form is None:
+        return run()
     saved = gemma3.attend, llama.attend
-    gemma3.attend = llama.attend = grouped_attend
+    gemma3.attend = llama.attend = ATTENTION_FORMS[form]
     try:
         return run()
     finally:
@@ -138,9 +158,9 @@ def main() -> None:
     p.add_argument("--engine-alone", action="store_true",
                    help="check against each row alone through the same path, not the model code")
     p.add_argument("--out", default=None)
-    p.add_argument("--grouped-attention", action="store_true",
-                   help="check the engine step with its earlier grouped attention matmuls "
-                        "(timings always include it as engine_grouped_ms)")
+    p.add_argument("--attention", choices=sorted(ATTENTION_FORMS),
+                   help="check the engine step with another attention form "
+                        "(timings always include each: engine_grouped_ms, engine_per-head_ms)")
     args = p.parse_args()
     model, _ = load(args.model)
     if args.check:
@@ -148,7 +168,7 @@ def main() -> None:
             return check(model, args.check, args.context, args.steps, not args.model_code,
                          not args.eager, args.engine_alone)
 
-        result = with_grouped_attention(run) if args.grouped_attention else run()
+        result = with_attention(args.attention, run)
     else:
         result = {"device": str(mx.default_device()), "context": args.context, "steps": {}}
         for b in (int(x) for x in args.batch_sizes.split(",")):
@@ -157,8 +177,9 @@ def main() -> None:
                 "model_code_ms": engine_step(model, b, args.context, args.steps, False),
                 "engine_ms": engine_step(model, b, args.context, args.steps, True),
                 "engine_eager_ms": engine_step(model, b, args.context, args.steps, True, False),
-                "engine_grouped_ms": with_grouped_attention(
-                    lambda: engine_step(model, b, args.context, args.steps, True)),
+                **{f"engine_{form}_ms": with_attention(
+                    form, lambda: engine_step(model, b, args.context, args.steps, True))
+                   for form in ATTENTION_FORMS},
             }
             row = {k: round(v, 3) if v is not None else None for k, v in row.items()}
             result["steps"][b] = row

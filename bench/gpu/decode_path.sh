@@ -29,11 +29,12 @@ if has check; then
   for arch in gemma3 qwen2_5_vl; do
     tiny=/tmp/vlm-tiny-$arch
     [ -f "$tiny/config.json" ] || python3 -m fixtures.build --arch $arch --out "$tiny" > /dev/null
-    for variant in model-code-alone engine-alone grouped-engine-alone; do
+    for variant in model-code-alone engine-alone grouped-engine-alone per-head-model-code-alone; do
       case $variant in
         model-code-alone) flags="" ;;
         engine-alone) flags="--engine-alone" ;;
-        grouped-engine-alone) flags="--engine-alone --grouped-attention" ;;
+        grouped-engine-alone) flags="--engine-alone --attention grouped" ;;
+        per-head-model-code-alone) flags="--attention per-head" ;;
       esac
       echo "$arch $variant: $(python3 bench/decode_step.py --model "$tiny" --check 8 --context 100 \
           --steps 40 $flags --out "$OUT/check-$arch-$variant.json" | grep rows_equal)"
