@@ -10,7 +10,9 @@ keys), and gives the norms and layer scalars weights other than one.
 The oracle is mlx-vlm's ``generate_step`` on a separately loaded copy of the model, one
 request at a time, fed the same token ids and processor outputs as the engine. The
 parity suites (``test_parity.py``, ``test_families.py``) run the fixture itself through
-the engine too; here rows run long enough to wrap the sliding window (32).
+the engine too; here rows run long enough to wrap the sliding window (32). Below
+that, the step's logits are compared to the bit with the model code's, Gemma 3's too
+(the slot store's ring is theirs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import shutil
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_vlm import load as vlm_load
 from mlx_vlm.generate import generate_step
@@ -189,3 +192,52 @@ def test_moe_gemma4_stays_on_the_model_code():
     assert "model code" in family.describe()
     with pytest.raises(TypeError):
         Gemma4Decoder(model)
+
+
+@pytest.mark.parametrize("arch,bits", [("gemma4", None), ("gemma4", 4), ("gemma3", None)],
+                         ids=["gemma4-f32", "gemma4-q4", "gemma3-f32"])
+def test_step_logits_equal_alone_bitwise_across_the_window(arch, bits):
+    """Rows of different lengths, some past the sliding window (32) from the start, fed
+    the same tokens batched (the engine step) and each alone (the model code on its own
+    caches): every row's logits are equal to the bit at every step. The store's ring
+    keeps each row's keys in the columns its own rotating cache would, so attention sums
+    them in the same order."""
+    from vlm_serve.engine.batch import Batch, JoiningRow
+    from vlm_serve.engine.families import family_for
+    from vlm_serve.engine.prefill import Prefill
+    from vlm_serve.engine.sampling import BatchSampler
+    from vlm_serve.engine.types import PreparedRequest
+
+    model, _ = vlm_load(str(cached_model(arch, bits=bits)))
+    lm = model.language_model
+    family = family_for(model)
+    rng = np.random.default_rng(7)
+    vocab = lm(mx.zeros((1, 1), mx.int32)).logits.shape[-1]
+    prompts = [rng.integers(20, vocab, n).astype(np.int32) for n in (70, 45, 33, 20, 9)]
+    steps = 40
+    fed = rng.integers(20, vocab, (len(prompts), steps)).astype(np.int32)
+
+    def prefilled(i, ids):
+        prefill = Prefill(model, family, PreparedRequest(f"r{i}", ids, SamplingParams()), 4096)
+        while not prefill.done:
+            prefill.step()
+        return prefill
+
+    alone = []
+    for i, ids in enumerate(prompts):
+        cache = prefilled(i, ids).cache
+        alone.append([np.array(lm(mx.array(fed[i, s:s + 1])[None], cache=cache).logits[0, -1])
+                      for s in range(steps)])
+    batch = Batch(model, family, vocab)
+    assert batch.store is not None
+    for i, ids in enumerate(prompts):
+        prefill = prefilled(i, ids)
+        sampler = BatchSampler(vocab)
+        sampler.add(SamplingParams(temperature=0.0), [])
+        first = sampler.sample(prefill.logits).tokens
+        batch.add([JoiningRow(prefill.cache, sampler, first, prefill.row_state)])
+    for s in range(steps):
+        batch.next_tokens = mx.array(fed[:, s])
+        logits = np.array(batch._logits())
+        for i in range(len(prompts)):
+            assert np.array_equal(logits[i], alone[i][s]), f"{arch} row {i} step {s}"

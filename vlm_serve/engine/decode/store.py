@@ -2,10 +2,12 @@
 
 Each layer keeps keys and values of shape (slots, kv_heads, columns, head_dim), its own
 head shape where its ``LayerKind`` says so (a layer that reads another layer's keys and
-values, as Gemma 4's KV-shared layers, is not in the store). A row's
-token at position p sits in column p of its slot (a sliding-window layer keeps a ring of
-``window`` columns: column p % window). Rows never share columns and are never padded
-against each other, so:
+values, as Gemma 4's KV-shared layers, is not in the store). A row's token at position
+p sits in column p of its slot (a sliding-window layer keeps a ring of ``window``
+columns: column (p - r) % window, with the rotation r the row's own rotating cache has,
+so attention sums its keys in the order it would alone; on the CPU a row batched then
+gives that row's logits alone to the bit). Rows never share columns and are never
+padded against each other, so:
 
 - a row joins by copying its prefill cache into a free slot (nothing else moves);
 - a row leaves by moving the last live row into its slot (one row's copy, not the
@@ -84,6 +86,10 @@ class SlotStore:
         # Per row, how far its rotary position runs from its length (Qwen-VL's mRoPE
         # delta after an image); all zero for most families.
         self.shifts: list[int] = []
+        # Per row, per window: the ring's rotation r (position p at column (p - r) %
+        # window), the one the row's own rotating cache goes on with. Before the ring
+        # is full, r is 0 (the cache then holds position p at index p).
+        self.rotations: list[dict[int, int]] = []
 
     # -- shape -------------------------------------------------------------------------
 
@@ -147,11 +153,16 @@ class SlotStore:
             self._resize(max(slot_bucket(rows), self.slots), needed, dtype)
         for caches, length in zip(row_caches, lengths):
             slot = self.rows
+            rotations = {
+                kind.window: _rotation(cache, kind.window)
+                for kind, cache in zip(self.layer_kinds, caches) if kind.window
+            }
             for i, (kind, cache) in enumerate(zip(self.layer_kinds, caches)):
-                k, v = _in_store_order(cache, kind.window)
+                k, v = _in_store_order(cache, kind.window, rotations.get(kind.window, 0))
                 self.keys[i][slot:slot + 1, :, : k.shape[2]] = k
                 self.values[i][slot:slot + 1, :, : v.shape[2]] = v
             self.lengths.append(length)
+            self.rotations.append(rotations)
         self.shifts += shifts or [0] * len(row_caches)
 
     def _capacity(self) -> int:
@@ -176,9 +187,11 @@ class SlotStore:
                 order[gone] = order[last]
                 self.lengths[gone] = self.lengths[last]
                 self.shifts[gone] = self.shifts[last]
+                self.rotations[gone] = self.rotations[last]
             order.pop()
             self.lengths.pop()
             self.shifts.pop()
+            self.rotations.pop()
         if not order:
             self.reset()
         else:
@@ -202,6 +215,7 @@ class SlotStore:
         self.keys = self.values = None
         self.lengths = []
         self.shifts = []
+        self.rotations = []
 
     # -- one decode step ---------------------------------------------------------------
 
@@ -216,7 +230,8 @@ class SlotStore:
         layouts = {}
         for window in self.kinds:
             if window:
-                columns = [p % window for p in self.lengths] + padding
+                columns = [(p - r[window]) % window
+                           for p, r in zip(self.lengths, self.rotations)] + padding
                 span = min(window, attention_span(longest))
             else:
                 columns = self.lengths + padding
@@ -243,9 +258,19 @@ class SlotStore:
         self.lengths = [n + 1 for n in self.lengths]
 
 
-def _in_store_order(cache, window: int | None) -> tuple[mx.array, mx.array]:
+def _rotation(cache, window: int) -> int:
+    """The rotation of a row's ring: the column its rotating cache would write its next
+    position to (mlx-vlm's ``RotatingKVCache._update_in_place``: a buffer longer than
+    the window is trimmed and written from column 0, as is a full one; otherwise at its
+    index) is that position's column."""
+    buffered = cache.keys.shape[2] if cache.keys is not None else 0
+    column = 0 if buffered > window or cache._idx >= window else cache._idx
+    return (cache.offset - column) % window
+
+
+def _in_store_order(cache, window: int | None, rotation: int = 0) -> tuple[mx.array, mx.array]:
     """One row's keys/values as the store keeps them: position p in column p, or in a
-    window's ring, position p in column p % window."""
+    window's ring, position p in column (p - rotation) % window."""
     length = cache.offset
     if window is None:
         return cache.keys[..., :length, :], cache.values[..., :length, :]
@@ -253,8 +278,8 @@ def _in_store_order(cache, window: int | None) -> tuple[mx.array, mx.array]:
     held = min(length, window)
     keys, values = keys[..., -held:, :], values[..., -held:, :]
     first = length - held  # position of the oldest key held
-    shift = first % window
-    if shift:  # ring order: position p at column p % window
+    shift = (first - rotation) % window
+    if shift:  # ring order: position p at column (p - rotation) % window
         keys = mx.concatenate([keys[..., window - shift:, :], keys[..., : window - shift, :]], axis=2)
         values = mx.concatenate(
             [values[..., window - shift:, :], values[..., : window - shift, :]], axis=2
