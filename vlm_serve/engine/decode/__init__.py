@@ -5,12 +5,13 @@ batch caches."""
 
 from .gemma3 import Gemma3Decoder
 from .gemma4 import Gemma4Decoder
+from .glm4v import Glm4vDecoder
 from .llama import LlamaDecoder
 from .ministral3 import Ministral3Decoder
 from .qwen2 import Qwen2Decoder
 from .store import SlotStore
 
 __all__ = [
-    "Gemma3Decoder", "Gemma4Decoder", "LlamaDecoder", "Ministral3Decoder", "Qwen2Decoder",
-    "SlotStore",
+    "Gemma3Decoder", "Gemma4Decoder", "Glm4vDecoder", "LlamaDecoder", "Ministral3Decoder",
+    "Qwen2Decoder", "SlotStore",
 ]

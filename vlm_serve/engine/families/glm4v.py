@@ -3,19 +3,22 @@
 mlx-vlm reads those positions back only for the first prefill chunk (later chunks of an
 image prompt get plain text positions) and shares them between requests. Here every
 request computes its own positions once, each prefill chunk gets its slice of them and
-each decode step explicit ids, so the model-held state is never read.
+each decode step explicit ids, so the model-held state is never read. Decoding runs on
+the engine's own step (``decode/glm4v.py``), each row at its token count plus its
+``rope_delta`` (``QwenVL.rope_shift``).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from ..decode.glm4v import Glm4vDecoder
 from .qwen_vl import QwenVL
 
 
 class Glm4V(QwenVL):
     name = "glm4v"
-    decoder_class = None  # GLM-4V's language model is its own: model code
+    decoder_class = Glm4vDecoder
     batch_prefill = batch_prefill_images = True  # passes shared; its tower runs per request
     batch_vision = False
 
