@@ -9,14 +9,11 @@ row at a time (``SerialFamily``) run the same suite, so that path is proven too.
 
 from __future__ import annotations
 
-import itertools
 import os
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_vlm import load as vlm_load
-from mlx_vlm.generate import generate_step
 
 from vlm_serve.fixtures.build import ARCHS, cached_model
 from vlm_serve.engine.engine import Engine
@@ -27,6 +24,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat, tokenize
 
 from conftest import make_image
+from oracle import mlx_vlm_greedy
 from test_parity import LONG_TEXT, run_held, run_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:At least one mel filter:UserWarning")
@@ -66,26 +64,8 @@ class FamilyHarness:
         return prepare_prompt(self.ctx, rid, prompt, params, list(images))
 
     def oracle(self, prepared) -> list[int]:
-        arrays = {
-            k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
-            for k, v in prepared.model_inputs.items()
-        }
-        pixel_values = arrays.pop("pixel_values", None)
-        mask = arrays.pop("attention_mask", None)
-        ids = mx.array(prepared.input_ids)[None]
-        if mask is None and pixel_values is not None:
-            mask = mx.ones(ids.shape, mx.int32)
         step = None if self.arch in WHOLE_PROMPT_ORACLE else PREFILL_STEP
-        n = prepared.sampling.max_tokens
-        tokens = []
-        for token, _ in itertools.islice(
-            generate_step(ids, self.oracle_model, pixel_values, mask, max_tokens=n,
-                          temperature=0.0, prefill_step_size=step, **arrays), n,
-        ):
-            tokens.append(int(token))
-            if tokens[-1] in self.eos:
-                break
-        return tokens
+        return mlx_vlm_greedy(self.oracle_model, prepared, step, self.eos)
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-{'q4' if v[1] else 'f32'}")

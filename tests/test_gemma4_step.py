@@ -17,7 +17,6 @@ that, the step's logits are compared to the bit with the model code's, Gemma 3's
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 
@@ -25,7 +24,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_vlm import load as vlm_load
-from mlx_vlm.generate import generate_step
 
 from vlm_serve.engine.decode import Gemma4Decoder
 from vlm_serve.engine.engine import Engine
@@ -37,6 +35,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
 from conftest import make_image
+from oracle import mlx_vlm_greedy, prefilled_alone
 from test_parity import LONG_TEXT, run_jobs
 
 PREFILL_STEP = 32
@@ -97,19 +96,7 @@ class Harness:
         return prepare_prompt(self.ctx, rid, prompt, params, list(images))
 
     def oracle(self, prepared) -> list[int]:
-        arrays = {
-            k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
-            for k, v in prepared.model_inputs.items()
-        }
-        pixel_values = arrays.pop("pixel_values", None)
-        mask = arrays.pop("attention_mask", None)
-        ids = mx.array(prepared.input_ids)[None]
-        if mask is None and pixel_values is not None:
-            mask = mx.ones(ids.shape, mx.int32)
-        n = prepared.sampling.max_tokens
-        steps = generate_step(ids, self.oracle_model, pixel_values, mask, max_tokens=n,
-                              temperature=0.0, prefill_step_size=PREFILL_STEP, **arrays)
-        return [int(token) for token, _ in itertools.islice(steps, n)]
+        return mlx_vlm_greedy(self.oracle_model, prepared, PREFILL_STEP)
 
 
 @pytest.fixture(scope="module")
@@ -204,9 +191,7 @@ def test_step_logits_equal_alone_bitwise_across_the_window(arch, bits):
     them in the same order."""
     from vlm_serve.engine.batch import Batch, JoiningRow
     from vlm_serve.engine.families import family_for
-    from vlm_serve.engine.prefill import Prefill
     from vlm_serve.engine.sampling import BatchSampler
-    from vlm_serve.engine.types import PreparedRequest
 
     model, _ = vlm_load(str(cached_model(arch, bits=bits)))
     lm = model.language_model
@@ -217,21 +202,15 @@ def test_step_logits_equal_alone_bitwise_across_the_window(arch, bits):
     steps = 40
     fed = rng.integers(20, vocab, (len(prompts), steps)).astype(np.int32)
 
-    def prefilled(i, ids):
-        prefill = Prefill(model, family, PreparedRequest(f"r{i}", ids, SamplingParams()), 4096)
-        while not prefill.done:
-            prefill.step()
-        return prefill
-
     alone = []
     for i, ids in enumerate(prompts):
-        cache = prefilled(i, ids).cache
+        cache = prefilled_alone(model, family, f"r{i}", ids).cache
         alone.append([np.array(lm(mx.array(fed[i, s:s + 1])[None], cache=cache).logits[0, -1])
                       for s in range(steps)])
     batch = Batch(model, family, vocab)
     assert batch.store is not None
     for i, ids in enumerate(prompts):
-        prefill = prefilled(i, ids)
+        prefill = prefilled_alone(model, family, f"r{i}", ids)
         sampler = BatchSampler(vocab)
         sampler.add(SamplingParams(temperature=0.0), [])
         first = sampler.sample(prefill.logits).tokens

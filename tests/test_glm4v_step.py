@@ -22,6 +22,7 @@ from vlm_serve.fixtures.build import cached_model
 from vlm_serve.preprocess.prompt import prepare_prompt, render_chat
 
 from conftest import make_image
+from oracle import prefilled_alone
 from test_families import FamilyHarness
 from test_parity import LONG_TEXT, run_jobs
 
@@ -99,9 +100,7 @@ def test_step_logits_equal_alone_bitwise(bits):
     mlx-vlm gives a decode step): every row's logits are equal to the bit at every step."""
     from vlm_serve.engine.batch import Batch, JoiningRow
     from vlm_serve.engine.families import family_for
-    from vlm_serve.engine.prefill import Prefill
     from vlm_serve.engine.sampling import BatchSampler
-    from vlm_serve.engine.types import PreparedRequest
 
     model, _ = vlm_load(str(cached_model("glm4v", bits=bits)))
     lm = model.language_model
@@ -113,15 +112,9 @@ def test_step_logits_equal_alone_bitwise(bits):
     steps = 24
     fed = rng.integers(20, vocab, (len(prompts), steps)).astype(np.int32)
 
-    def prefilled(i, ids):
-        prefill = Prefill(model, family, PreparedRequest(f"r{i}", ids, SamplingParams()), 4096)
-        while not prefill.done:
-            prefill.step()
-        return prefill
-
     alone = []
     for i, ids in enumerate(prompts):
-        cache = prefilled(i, ids).cache
+        cache = prefilled_alone(model, family, f"r{i}", ids).cache
         logits = []
         for s in range(steps):
             position = mx.full((3, 1, 1), len(ids) + s + shifts[i], mx.int32)
@@ -131,7 +124,7 @@ def test_step_logits_equal_alone_bitwise(bits):
     batch = Batch(model, family, vocab)
     assert type(batch.decoder) is Glm4vDecoder
     for i, ids in enumerate(prompts):
-        prefill = prefilled(i, ids)
+        prefill = prefilled_alone(model, family, f"r{i}", ids)
         sampler = BatchSampler(vocab)
         sampler.add(SamplingParams(temperature=0.0), [])
         first = sampler.sample(prefill.logits).tokens

@@ -12,12 +12,9 @@ request at a time, fed the same token ids and processor outputs as the engine.
 
 from __future__ import annotations
 
-import itertools
 
-import mlx.core as mx
 import pytest
 from mlx_vlm import load as vlm_load
-from mlx_vlm.generate import generate_step
 
 from vlm_serve.engine.decode.ministral3 import Ministral3Decoder
 from vlm_serve.engine.engine import Engine
@@ -28,6 +25,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
 from conftest import make_image
+from oracle import mlx_vlm_greedy
 from test_parity import LONG_TEXT, run_jobs
 # The family suite (mixed batches with joins, bursts, prefix reuse) on this fixture too.
 from test_families import (  # noqa: F401 - collected here with this module's `family`
@@ -67,19 +65,7 @@ class Harness:
         return prepare_prompt(self.ctx, rid, prompt, params, list(images))
 
     def oracle(self, prepared) -> list[int]:
-        arrays = {
-            k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
-            for k, v in prepared.model_inputs.items()
-        }
-        pixel_values = arrays.pop("pixel_values", None)
-        mask = arrays.pop("attention_mask", None)
-        ids = mx.array(prepared.input_ids)[None]
-        if mask is None and pixel_values is not None:
-            mask = mx.ones(ids.shape, mx.int32)
-        n = prepared.sampling.max_tokens
-        steps = generate_step(ids, self.oracle_model, pixel_values, mask, max_tokens=n,
-                              temperature=0.0, prefill_step_size=PREFILL_STEP, **arrays)
-        return [int(token) for token, _ in itertools.islice(steps, n)]
+        return mlx_vlm_greedy(self.oracle_model, prepared, PREFILL_STEP)
 
 
 @pytest.fixture(scope="module", params=[None, 4], ids=["f32", "q4"])
