@@ -143,6 +143,51 @@ def test_burst_prefilled_together_matches_mlx_vlm(family):
         assert scheduler.shared_prefill_rows > rows  # the text prompts shared passes
 
 
+def _image_bursts(h: FamilyHarness) -> dict[str, list]:
+    """Bursts of image prompts only: (request id, lead text, text, images)."""
+    picture = "Describe this picture."
+    lead = LONG_TEXT[:240]  # the image lands in a later prefill chunk
+    return {
+        # One image size at one place: every pass (and tower call) the same.
+        "same-place": [(f"place-{i}", "", picture, [make_image(56, 56, 80 + i)]) for i in range(3)],
+        # Prompts of one length with the image at different places (nothing else
+        # shares with either: what is shared, they share).
+        "other-place": [("before", picture, "Now.", [make_image(56, 56, 84)]),
+                        ("after", "Now.", picture, [make_image(56, 56, 85)])],
+        # Images of different sizes (two of one size), one after a long lead text.
+        "sizes": [("size-a", "", picture, [make_image(56, 56, 87)]),
+                  ("size-other", "", picture, [make_image(40, 80, 88)]),
+                  ("size-b", "", picture, [make_image(56, 56, 89)]),
+                  ("mid-a", lead, "What follows?", [make_image(64, 64, 90)]),
+                  ("mid-b", lead, "What follows?", [make_image(64, 64, 91)])],
+    }
+
+
+@pytest.mark.parametrize("kind", ["same-place", "other-place", "sizes"])
+def test_image_burst_shares_passes_and_matches_mlx_vlm(family, kind):
+    """Image prompts that arrive together share language-model passes (and, where the
+    family allows, tower calls) when their family batches image prefill; each request
+    still gets exactly mlx-vlm's tokens alone."""
+    scheduler = family.engine.scheduler
+    if family.arch in SLOW_VISION or not scheduler.family.batch_prefill_images:
+        pytest.skip("image prompts of this family are prefilled one at a time")
+    jobs = [(family.prepare(rid, text, images, 6, lead), None, None)
+            for rid, lead, text, images in _image_bursts(family)[kind]]
+    budget, scheduler.config.prefill_token_budget = scheduler.config.prefill_token_budget, 64 * PREFILL_STEP
+    rows, towers = scheduler.shared_prefill_rows, scheduler.shared_tower_requests
+    try:
+        results = run_held(family.engine, family.prepare("hold", "Hi!", max_tokens=3), jobs)
+    finally:
+        scheduler.config.prefill_token_budget = budget
+    for prepared, _, _ in jobs:
+        result = results[prepared.request_id]
+        assert result["error"] is None, result["error"]
+        assert result["tokens"] == family.oracle(prepared), (family.arch, prepared.request_id)
+    assert scheduler.shared_prefill_rows > rows  # image prompts really shared passes
+    if scheduler.family.batch_vision:
+        assert scheduler.shared_tower_requests > towers  # ... and tower calls
+
+
 def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):
     """Turn 2 of a text chat starts from turn 1's cached prefix where the family allows."""
     first = family.prepare("turn-1", LONG_TEXT[:300], max_tokens=4)

@@ -41,10 +41,12 @@ class Gemma3(Family):
 class Gemma4(Family):
     name = "gemma4"
     decoder_class = Gemma4Decoder
-    # Text prompts share prefill passes; image prompts (whole-prompt prefill with
-    # bidirectional attention over image tokens, variable image sizes) stay alone.
-    batch_prefill = True
-    prefill_batch_axes = {"per_layer_inputs": 0}
+    # Image prompts prefill whole (bidirectional attention over image tokens). Their
+    # pass still stacks exactly: the model builds each row's image overlay from that
+    # row's own ``mm_token_type_ids`` (``_make_masks``); only whether the overlay is on
+    # at all is decided for the whole pass, so it is part of the signature.
+    batch_prefill = batch_prefill_images = batch_vision = True
+    prefill_batch_axes = {"per_layer_inputs": 0, "mm_token_type_ids": 0}
     # Reusing an image prompt's prefix does not reproduce its tokens yet (its attention
     # over image tokens is bidirectional): image prompts are prefilled whole.
     image_prefix_cache = False
@@ -58,3 +60,27 @@ class Gemma4(Family):
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return self.model.encode_image(pixel_values, inputs.get("image_position_ids"))
+
+    def batch_signature(self, kwargs: dict) -> tuple | None:
+        signature = super().batch_signature(kwargs)
+        types = kwargs.get("mm_token_type_ids")
+        if signature is None or types is None:
+            return signature
+        # The model turns the image overlay on for every row when any row has image
+        # tokens: rows share a pass only when each would decide the same alone.
+        has_image = bool(mx.any((types == 1) | (types == 2)).item())
+        return (*signature, ("has_image_tokens", has_image))
+
+    def stack_image_inputs(self, inputs):
+        # mm_token_type_ids rides with the pixels but is not a tower input.
+        if any(set(i) - {"mm_token_type_ids"} != {"pixel_values"} for i in inputs):
+            return None
+        return {"pixel_values": mx.concatenate([i["pixel_values"] for i in inputs])}
+
+    def split_image_features(self, features, inputs):
+        # The tower returns all images' tokens in one row, image after image; images of
+        # one bucket have one size, so each has the same share.
+        counts = [i["pixel_values"].shape[0] for i in inputs]
+        per_image = features.shape[1] // sum(counts)
+        ends = list(itertools.accumulate(c * per_image for c in counts))
+        return [features[:, a:b] for a, b in zip([0, *ends[:-1]], ends)]

@@ -11,6 +11,7 @@ import itertools
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..decode.qwen2 import Qwen2Decoder
 from .base import Family
@@ -72,19 +73,57 @@ class QwenVL(Family):
 
 class Qwen3VL(QwenVL):
     """Qwen3-VL: mRoPE as Qwen2.5-VL, plus DeepStack image features added to the first
-    layers' hidden states during prefill. Its prefill runs on the request's own cache,
-    where the model slices the DeepStack rows by the cache offset itself. mlx-vlm drops
-    the DeepStack features when given ``cached_image_features``, so the vision-feature
-    cache stays off for this family: the tower runs for every request. Decoding needs
-    none of that (its text model is Qwen2's with q/k RMSNorm): the same decode step."""
+    layers' hidden states at image positions during prefill. mlx-vlm drops the DeepStack
+    features when given ``cached_image_features``, so the vision-feature cache stays off
+    for this family: the tower runs for every request. Decoding needs none of that (its
+    text model is Qwen2's with q/k RMSNorm): the same decode step.
+
+    Each chunk gets its own share of the DeepStack features (``chunk_kwargs``), so rows
+    stack: the model adds a batch's features row after row, each row's by its own
+    ``visual_pos_masks`` (``_deepstack_process``), exactly as it adds one row's alone."""
 
     name = "qwen3-vl"
-    # DeepStack features are scattered by each prompt's own image mask: image prompts
-    # stay alone; text prompts share passes.
-    batch_prefill_images = batch_vision = False
+    batch_prefill_images = True
+    batch_vision = False  # the tower's DeepStack outputs cannot be handed back cached
+    prefill_batch_axes = {**QwenVL.prefill_batch_axes, "visual_pos_masks": 0}
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return None
+
+    def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
+        kwargs = super().chunk_kwargs(kwargs, start, stop)
+        visual = kwargs.get("visual_pos_masks")
+        if visual is None:
+            return kwargs
+        kwargs = {**kwargs, "visual_pos_masks": visual[:, start:stop]}
+        deepstack = kwargs.get("deepstack_visual_embeds")
+        if deepstack is not None:
+            # The features are one per image position of the prompt, in order: this
+            # chunk's are those of the image positions in [start, stop), as the model
+            # would select them itself by its cache offset.
+            counts = np.cumsum(np.array(visual[0]), dtype=np.int64)
+            a = int(counts[start - 1]) if start else 0
+            b = int(counts[stop - 1]) if stop else 0
+            kwargs["deepstack_visual_embeds"] = [layer[a:b] for layer in deepstack]
+        return kwargs
+
+    def batch_signature(self, kwargs: dict) -> tuple | None:
+        deepstack = kwargs.get("deepstack_visual_embeds")
+        rest = {k: v for k, v in kwargs.items() if k != "deepstack_visual_embeds"}
+        signature = super().batch_signature(rest)
+        if signature is None or deepstack is None:
+            return signature
+        # Rows hold different numbers of image positions: only the feature width counts.
+        layers = tuple((tuple(layer.shape[1:]), layer.dtype) for layer in deepstack)
+        return (*signature, ("deepstack_visual_embeds", layers))
+
+    def stack_chunk_kwargs(self, per_row: list[dict]) -> dict:
+        out = super().stack_chunk_kwargs(per_row)
+        if "deepstack_visual_embeds" in per_row[0]:
+            # Row after row: the model reads each row's back by its visual_pos_masks.
+            per_layer = zip(*(kw["deepstack_visual_embeds"] for kw in per_row))
+            out["deepstack_visual_embeds"] = [mx.concatenate(layer) for layer in per_layer]
+        return out
 
 
 def skip_empty_windows(vision_tower) -> None:
