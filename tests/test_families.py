@@ -38,6 +38,10 @@ WHOLE_PROMPT_ORACLE = {"glm4v"}
 # mlx-vlm fixes phi3_v's vision tower at full CLIP-L size: minutes per image on 2 CPU
 # cores. Its image requests run only with VLM_SERVE_SLOW_TESTS=1; text runs always.
 SLOW_VISION = set() if os.environ.get("VLM_SERVE_SLOW_TESTS") else {"phi3_v"}
+# Families whose image prompts are proven to share prefill passes in a burst (others
+# with ``batch_prefill_images`` carry an argument no pass stacks, e.g. Mistral 3's
+# image_sizes, and prefill image prompts alone).
+SHARED_IMAGE_PASSES = {"gemma3", "gemma4", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
 
 class FamilyHarness:
@@ -183,7 +187,8 @@ def test_image_burst_shares_passes_and_matches_mlx_vlm(family, kind):
         result = results[prepared.request_id]
         assert result["error"] is None, result["error"]
         assert result["tokens"] == family.oracle(prepared), (family.arch, prepared.request_id)
-    assert scheduler.shared_prefill_rows > rows  # image prompts really shared passes
+    if family.arch in SHARED_IMAGE_PASSES:
+        assert scheduler.shared_prefill_rows > rows  # image prompts really shared passes
     if scheduler.family.batch_vision:
         assert scheduler.shared_tower_requests > towers  # ... and tower calls
 
