@@ -43,3 +43,54 @@ def prefilled_alone(model, family, request_id: str, ids) -> Prefill:
     while not prefill.done:
         prefill.step()
     return prefill
+
+
+def assert_each_matches_alone(jobs, results, oracle, label: str = "") -> dict[str, list[int]]:
+    """Every job's request finished without error, with the tokens ``oracle`` gives it
+    alone; returns those tokens by request id."""
+    expected_by_id = {}
+    for prepared, _, _ in jobs:
+        rid = prepared.request_id
+        result = results[rid]
+        assert result["error"] is None, result["error"]
+        expected = oracle(prepared)
+        assert result["tokens"] == expected, f"{label} {rid}: batched {result['tokens']} != alone {expected}"
+        expected_by_id[rid] = expected
+    return expected_by_id
+
+
+class FullLengthHarness:
+    """An engine on a model directory and mlx-vlm's own copy of it, for tests of a decode
+    step: every row runs its full ``max_tokens`` (EOS ignored, here and in the oracle)."""
+
+    def __init__(self, path: str, prefill_step: int):
+        from mlx_vlm import load as vlm_load
+
+        from vlm_serve.engine.engine import Engine
+        from vlm_serve.engine.scheduler import SchedulerConfig
+        from vlm_serve.preprocess.media import MediaPolicy
+        from vlm_serve.preprocess.prompt import PromptContext
+
+        self.prefill_step = prefill_step
+        config = SchedulerConfig(max_num_seqs=8, prefill_step_size=prefill_step,
+                                 prefill_token_budget=prefill_step)
+        self.engine = Engine(path, config)
+        self.engine.start()
+        loaded = self.engine.loaded
+        self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8,
+                                 loaded.chat_template)
+        self.oracle_model, _ = vlm_load(path)
+
+    def prepare(self, rid: str, text: str, images=(), max_tokens: int = 40, chat: bool = True):
+        """``chat`` off: ``text`` is the whole prompt; on: a user turn in the chat template."""
+        from vlm_serve.preprocess.prompt import prepare_prompt, render_chat
+
+        prompt = text
+        if chat:
+            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+            prompt = render_chat(self.ctx, [{"role": "user", "content": parts}])
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return prepare_prompt(self.ctx, rid, prompt, params, list(images))
+
+    def oracle(self, prepared) -> list[int]:
+        return mlx_vlm_greedy(self.oracle_model, prepared, self.prefill_step)

@@ -24,7 +24,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat, tokenize
 
 from conftest import make_image
-from oracle import mlx_vlm_greedy
+from oracle import assert_each_matches_alone, mlx_vlm_greedy
 from test_parity import LONG_TEXT, run_held, run_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:At least one mel filter:UserWarning")
@@ -112,13 +112,7 @@ def test_mixed_batch_with_joining_rows_matches_mlx_vlm(family):
     batched = family.engine.scheduler.family.batched
     peak = family.engine.scheduler.peak_running
     assert peak >= 2 if batched else peak == 1  # rows really shared decode steps (or never)
-    for prepared, _, _ in jobs:
-        result = results[prepared.request_id]
-        assert result["error"] is None, result["error"]
-        expected = family.oracle(prepared)
-        assert result["tokens"] == expected, (
-            f"{family.arch} {prepared.request_id}: batched {result['tokens']} != mlx-vlm {expected}"
-        )
+    assert_each_matches_alone(jobs, results, family.oracle, family.arch)
 
 
 def test_burst_prefilled_together_matches_mlx_vlm(family):
@@ -133,18 +127,22 @@ def test_burst_prefilled_together_matches_mlx_vlm(family):
         specs.append(("burst-img-other", "Describe this picture.", [make_image(40, 80, 74)]))
     jobs = [(family.prepare(rid, text, imgs, 6), None, None) for rid, text, imgs in specs]
     scheduler = family.engine.scheduler
-    budget, scheduler.config.prefill_token_budget = scheduler.config.prefill_token_budget, 64 * PREFILL_STEP
     rows = scheduler.shared_prefill_rows
+    _burst_matches_alone(family, jobs)
+    if scheduler.family.batch_prefill:
+        assert scheduler.shared_prefill_rows > rows  # the text prompts shared passes
+
+
+def _burst_matches_alone(family: FamilyHarness, jobs) -> None:
+    """``jobs`` start in one scheduler turn, with a prefill budget that lets them all
+    share; each request gets mlx-vlm's tokens alone."""
+    scheduler = family.engine.scheduler
+    budget, scheduler.config.prefill_token_budget = scheduler.config.prefill_token_budget, 64 * PREFILL_STEP
     try:
         results = run_held(family.engine, family.prepare("hold", "Hi!", max_tokens=3), jobs)
     finally:
         scheduler.config.prefill_token_budget = budget
-    for prepared, _, _ in jobs:
-        result = results[prepared.request_id]
-        assert result["error"] is None, result["error"]
-        assert result["tokens"] == family.oracle(prepared), (family.arch, prepared.request_id)
-    if scheduler.family.batch_prefill:
-        assert scheduler.shared_prefill_rows > rows  # the text prompts shared passes
+    assert_each_matches_alone(jobs, results, family.oracle, family.arch)
 
 
 def _image_bursts(h: FamilyHarness) -> dict[str, list]:
@@ -177,16 +175,8 @@ def test_image_burst_shares_passes_and_matches_mlx_vlm(family, kind):
         pytest.skip("image prompts of this family are prefilled one at a time")
     jobs = [(family.prepare(rid, text, images, 6, lead), None, None)
             for rid, lead, text, images in _image_bursts(family)[kind]]
-    budget, scheduler.config.prefill_token_budget = scheduler.config.prefill_token_budget, 64 * PREFILL_STEP
     rows, towers = scheduler.shared_prefill_rows, scheduler.shared_tower_requests
-    try:
-        results = run_held(family.engine, family.prepare("hold", "Hi!", max_tokens=3), jobs)
-    finally:
-        scheduler.config.prefill_token_budget = budget
-    for prepared, _, _ in jobs:
-        result = results[prepared.request_id]
-        assert result["error"] is None, result["error"]
-        assert result["tokens"] == family.oracle(prepared), (family.arch, prepared.request_id)
+    _burst_matches_alone(family, jobs)
     if family.arch in SHARED_IMAGE_PASSES:
         assert scheduler.shared_prefill_rows > rows  # image prompts really shared passes
     if scheduler.family.batch_vision:

@@ -26,16 +26,12 @@ import pytest
 from mlx_vlm import load as vlm_load
 
 from vlm_serve.engine.decode import Gemma4Decoder
-from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.families.gemma import Gemma4
-from vlm_serve.engine.scheduler import SchedulerConfig
 from vlm_serve.engine.types import SamplingParams
 from vlm_serve.fixtures.build import cached_model
-from vlm_serve.preprocess.media import MediaPolicy
-from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
 from conftest import make_image
-from oracle import mlx_vlm_greedy, prefilled_alone
+from oracle import FullLengthHarness, assert_each_matches_alone, prefilled_alone
 from test_parity import LONG_TEXT, run_jobs
 
 PREFILL_STEP = 32
@@ -74,31 +70,6 @@ def write_k_eq_v_variant(source, out) -> None:
     mx.save_safetensors(str(out / "model.safetensors"), weights)
 
 
-class Harness:
-    def __init__(self, path: str):
-        config = SchedulerConfig(max_num_seqs=8, prefill_step_size=PREFILL_STEP,
-                                 prefill_token_budget=PREFILL_STEP)
-        self.engine = Engine(path, config)
-        self.engine.start()
-        loaded = self.engine.loaded
-        self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8,
-                                 loaded.chat_template)
-        self.oracle_model, _ = vlm_load(path)
-
-    def prepare(self, rid: str, text: str, images=(), max_tokens: int = 40, chat: bool = True):
-        """``chat`` off: ``text`` is the whole prompt (a few tokens, inside the window)."""
-        prompt = text
-        if chat:
-            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-            prompt = render_chat(self.ctx, [{"role": "user", "content": parts}])
-        # Every row runs its full length, across the window's wrap.
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return prepare_prompt(self.ctx, rid, prompt, params, list(images))
-
-    def oracle(self, prepared) -> list[int]:
-        return mlx_vlm_greedy(self.oracle_model, prepared, PREFILL_STEP)
-
-
 @pytest.fixture(scope="module")
 def k_eq_v_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("gemma4-k-eq-v") / "model"
@@ -112,7 +83,7 @@ def harness(request, k_eq_v_path):
         path = k_eq_v_path
     else:
         path = cached_model("gemma4", bits=4 if request.param == "q4" else None)
-    h = Harness(str(path))
+    h = FullLengthHarness(str(path), PREFILL_STEP)  # every row runs across the window's wrap
     h.variant = request.param
     yield h
     h.engine.shutdown()
@@ -161,12 +132,7 @@ def test_rows_across_the_window_joining_and_leaving_match_alone(harness):
     results = run_jobs(h.engine, jobs)
     assert type(h.engine.scheduler.batch.decoder) is Gemma4Decoder
     assert h.engine.scheduler.peak_running >= 5  # the rows really shared decode steps
-    for prepared, _, _ in jobs:
-        rid = prepared.request_id
-        result = results[rid]
-        assert result["error"] is None, result["error"]
-        expected = h.oracle(prepared)
-        assert result["tokens"] == expected, f"{h.variant} {rid}: batched {result['tokens']} != alone {expected}"
+    assert_each_matches_alone(jobs, results, h.oracle, h.variant)
 
 
 def test_moe_gemma4_stays_on_the_model_code():

@@ -22,7 +22,7 @@ from vlm_serve.fixtures.build import cached_model
 from vlm_serve.preprocess.prompt import prepare_prompt, render_chat
 
 from conftest import make_image
-from oracle import prefilled_alone
+from oracle import assert_each_matches_alone, prefilled_alone
 from test_families import FamilyHarness
 from test_parity import LONG_TEXT, run_jobs
 
@@ -85,12 +85,7 @@ def test_rows_at_different_positions_and_rope_deltas_match_alone(harness):
     results = run_jobs(h.engine, jobs)
     assert type(h.engine.scheduler.batch.decoder) is Glm4vDecoder
     assert h.engine.scheduler.peak_running >= 5  # the rows really shared decode steps
-    for prepared, _, _ in jobs:
-        rid = prepared.request_id
-        result = results[rid]
-        assert result["error"] is None, result["error"]
-        expected = h.oracle(prepared)
-        assert result["tokens"] == expected, f"{rid}: batched {result['tokens']} != {expected}"
+    assert_each_matches_alone(jobs, results, h.oracle)
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["f32", "q4"])

@@ -17,15 +17,10 @@ import pytest
 from mlx_vlm import load as vlm_load
 
 from vlm_serve.engine.decode.ministral3 import Ministral3Decoder
-from vlm_serve.engine.engine import Engine
-from vlm_serve.engine.scheduler import SchedulerConfig
-from vlm_serve.engine.types import SamplingParams
 from vlm_serve.fixtures.build import cached_model
-from vlm_serve.preprocess.media import MediaPolicy
-from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
 from conftest import make_image
-from oracle import mlx_vlm_greedy
+from oracle import FullLengthHarness, assert_each_matches_alone
 from test_parity import LONG_TEXT, run_jobs
 # The family suite (mixed batches with joins, bursts, prefix reuse) on this fixture too.
 from test_families import (  # noqa: F401 - collected here with this module's `family`
@@ -41,36 +36,10 @@ PRESET = "tiny-ministral3"
 THRESHOLD = 32  # the fixture's original_max_position_embeddings
 
 
-class Harness:
-    def __init__(self, bits: int | None):
-        path = str(cached_model("mistral3", preset=PRESET, bits=bits))
-        config = SchedulerConfig(max_num_seqs=8, prefill_step_size=PREFILL_STEP,
-                                 prefill_token_budget=PREFILL_STEP)
-        self.engine = Engine(path, config)
-        self.engine.start()
-        loaded = self.engine.loaded
-        self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8,
-                                 loaded.chat_template)
-        self.oracle_model, _ = vlm_load(path)
-
-    def prepare(self, rid: str, text: str, images=(), max_tokens: int = 40, chat: bool = True):
-        """``chat`` off: ``text`` is the whole prompt (a few tokens, below the first
-        threshold); on: a user turn in the chat template (hundreds of tokens)."""
-        prompt = text
-        if chat:
-            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-            prompt = render_chat(self.ctx, [{"role": "user", "content": parts}])
-        # Every row runs its full length: the threshold crossings are the point.
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return prepare_prompt(self.ctx, rid, prompt, params, list(images))
-
-    def oracle(self, prepared) -> list[int]:
-        return mlx_vlm_greedy(self.oracle_model, prepared, PREFILL_STEP)
-
-
 @pytest.fixture(scope="module", params=[None, 4], ids=["f32", "q4"])
 def harness(request):
-    h = Harness(request.param)
+    # Every row runs its full length: the threshold crossings are the point.
+    h = FullLengthHarness(str(cached_model("mistral3", preset=PRESET, bits=request.param)), PREFILL_STEP)
     yield h
     h.engine.shutdown()
 
@@ -112,14 +81,10 @@ def test_rows_crossing_the_scale_threshold_at_different_steps_match_alone(harnes
     assert type(h.engine.scheduler.batch.decoder) is Ministral3Decoder
     assert h.engine.scheduler.peak_running >= 5  # the rows really shared decode steps
     crossings = set()
+    expected = assert_each_matches_alone(jobs, results, h.oracle)
     for prepared, _, _ in jobs:
-        rid = prepared.request_id
-        result = results[rid]
-        assert result["error"] is None, result["error"]
-        expected = h.oracle(prepared)
-        assert result["tokens"] == expected, f"{rid}: batched {result['tokens']} != alone {expected}"
-        start = len(prepared.input_ids)
-        crossings |= {p // THRESHOLD for p in (start, start + len(expected) - 1)}
+        start, tokens = len(prepared.input_ids), expected[prepared.request_id]
+        crossings |= {p // THRESHOLD for p in (start, start + len(tokens) - 1)}
     # The rows span several scale levels.
     assert len(crossings) >= 4
 
