@@ -11,43 +11,21 @@ from ..lru import SizedLRU
 DEFAULT_MAX_BYTES = 1 << 30
 
 
-class VisionCache:
+class VisionCache(SizedLRU):
     """Features keyed by the request's image digests, least recently used out first,
     bounded by entries (``--vision-cache-size``) and by the bytes of their arrays
     (``--vision-cache-gb``). A family may store any value its encoder returns (an
     array, or a tuple of them)."""
 
     def __init__(self, size: int, max_bytes: int = DEFAULT_MAX_BYTES):
-        self._lru = SizedLRU(size, max_bytes)
+        super().__init__(size, max_bytes)
 
     @property
     def size(self) -> int:
-        return self._lru.max_entries
+        return self.max_entries
 
-    @property
-    def max_bytes(self) -> int:
-        return self._lru.max_bytes
-
-    @property
-    def bytes(self) -> int:
-        return self._lru.bytes
-
-    @property
-    def hits(self) -> int:
-        return self._lru.hits
-
-    @property
-    def evictions(self) -> int:
-        return self._lru.evictions
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def get(self, key: tuple):
-        return self._lru.get(key)
-
-    def put(self, key: tuple, features) -> None:
-        self._lru.put(key, features, features_bytes(features))
+    def put(self, key: tuple, features) -> None:  # sized by its arrays
+        super().put(key, features, features_bytes(features))
 
 
 def features_bytes(features) -> int:
