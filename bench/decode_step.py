@@ -23,6 +23,7 @@ from mlx_vlm import load
 sys.path.insert(0, os.path.dirname(__file__))
 from step_breakdown import build_engine_batch, id_limit, plain_step, time_steps  # noqa: E402
 
+from vlm_serve.engine.decode.attention import mlx_attend  # noqa: E402
 from vlm_serve.engine.families import family_for  # noqa: E402
 from vlm_serve.engine.prefill import Prefill  # noqa: E402
 from vlm_serve.engine.types import PreparedRequest, SamplingParams  # noqa: E402
@@ -102,10 +103,17 @@ def _alone_model_code(model, prompts, steps) -> list[list[int]]:
     return alone
 
 
-def grouped_attend(q, keys, values, scale, mask):
+def _visible_keys(keys, values, visible):
+    mask, _ = visible
+    span = mask.shape[-1]
+    return keys[:, :, :span], values[:, :, :span], mask
+
+
+def grouped_attend(q, keys, values, scale, visible):
     """The engine step's earlier attention: a key/value head's query heads as the rows
     of one matmul (no broadcast of the keys), an additive mask. It rounds differently
     from MLX's own attention on CUDA (see bench/results/gpu-h100-burst)."""
+    keys, values, mask = _visible_keys(keys, values, visible)
     slots, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     q = (q * scale).reshape(slots, kv_heads, heads // kv_heads, dim)
@@ -114,10 +122,11 @@ def grouped_attend(q, keys, values, scale, mask):
     return mx.matmul(weights, values).reshape(slots, heads * dim)
 
 
-def per_head_attend(q, keys, values, scale, mask):
+def per_head_attend(q, keys, values, scale, visible):
     """One query row per matmul, as MLX's own composition has it, but each query head of
     a group against its key/value head in a matmul of its own instead of broadcasting
     the keys to every query head: more matmuls, no copies of the keys."""
+    keys, values, mask = _visible_keys(keys, values, visible)
     slots, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
@@ -129,7 +138,7 @@ def per_head_attend(q, keys, values, scale, mask):
     return mx.concatenate(out, axis=2).reshape(slots, heads * dim)
 
 
-ATTENTION_FORMS = {"grouped": grouped_attend, "per-head": per_head_attend}
+ATTENTION_FORMS = {"mlx": mlx_attend, "grouped": grouped_attend, "per-head": per_head_attend}
 
 
 def with_attention(form: str | None, run):
@@ -160,7 +169,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--attention", choices=sorted(ATTENTION_FORMS),
                    help="check the engine step with another attention form "
-                        "(timings always include each: engine_grouped_ms, engine_per-head_ms)")
+                        "(timings always include each: engine_mlx_ms, engine_grouped_ms, engine_per-head_ms)")
     args = p.parse_args()
     model, _ = load(args.model)
     if args.check:

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The decode-path targets' numbers on one GPU, in one run (Gemma-3-4B shape, random bf16):
+#   kernels    the CUDA decode-attention kernels against MLX's attention, and a row batched
+#              against the same row alone (tests/test_cuda_attention.py)
 #   check      batch-vs-alone greedy agreement, tiny float32 Gemma 3 and Qwen2.5-VL: the
 #              engine step against each row alone through the model code, and against
-#              each row alone through the engine, with either attention form
+#              each row alone through the engine, with its kernels and with MLX's or the
+#              grouped attention
 #   steps      decode step per batch size: plain forward, model code, engine step
-#              (compiled, op by op, and with its earlier grouped attention)
+#              (compiled, op by op, and with MLX's, the grouped and the per-head attention)
 #   burst      64 image requests at once, engine only: vlm-serve vs mlx-vlm's batch_generate
 #   servers    closed-loop ~256-token text chats: the plain forward's rates (envelope),
 #              vlm-serve and vllm-mlx at concurrency $SWEEP (bench/gpu/run.sh, LOAD=text)
@@ -15,7 +18,7 @@
 #   OUT=DIR PARTS="servers multiturn" bash bench/gpu/decode_path.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-path}
-PARTS=${PARTS:-check steps burst servers multiturn}
+PARTS=${PARTS:-kernels check steps burst servers multiturn}
 MODEL=/tmp/vlm-bench-gemma3-4b
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
@@ -25,14 +28,18 @@ python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_devic
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
 [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out "$MODEL"
 
+if has kernels; then
+  python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_cuda_attention.py 2>&1 | tail -15 | tee "$OUT/kernels.txt"
+fi
 if has check; then
   for arch in gemma3 qwen2_5_vl; do
     tiny=/tmp/vlm-tiny-$arch
     [ -f "$tiny/config.json" ] || python3 -m fixtures.build --arch $arch --out "$tiny" > /dev/null
-    for variant in model-code-alone engine-alone grouped-engine-alone per-head-model-code-alone; do
+    for variant in ${VARIANTS:-model-code-alone engine-alone mlx-engine-alone grouped-engine-alone}; do
       case $variant in
         model-code-alone) flags="" ;;
         engine-alone) flags="--engine-alone" ;;
+        mlx-engine-alone) flags="--engine-alone --attention mlx" ;;
         grouped-engine-alone) flags="--engine-alone --attention grouped" ;;
         per-head-model-code-alone) flags="--attention per-head" ;;
       esac

@@ -1,24 +1,46 @@
 """Attention of one new token per row over the slot store.
 
-Through MLX's own ``scaled_dot_product_attention``, with the step's boolean mask (the
-keys each row may attend to). A row decoded alone goes through the same function on its
-own cache, without a mask, so a batched row takes the same arithmetic as that row alone:
-MLX's fused kernel where it has one for the shape, otherwise MLX's own composition (the
-grouped query heads broadcast against their key/value head, masked softmax in full
-precision). A hand-grouped layout (a key/value head's query heads as the rows of one
-matmul) rounds differently on CUDA: on an H100 with the float32 fixtures it agreed with
-one-at-a-time decoding on 5 of 8 ragged rows over 40 greedy steps, against 8 of 8 this
-way (``bench/decode_step.py --check``).
+On CUDA, through this engine's own kernels (``cuda_attention``): each row reads its own
+keys only, and takes the same arithmetic batched as alone. Elsewhere, through MLX's own
+``scaled_dot_product_attention`` with the step's boolean mask (the keys each row may
+attend to): a row decoded alone goes through the same function on its own cache,
+without a mask, so a batched row takes the same arithmetic as that row alone (on the
+CPU, to the bit: the parity suite). A hand-grouped layout (a key/value head's query
+heads as the rows of one matmul) rounds differently on CUDA: on an H100 with the
+float32 fixtures it agreed with one-at-a-time decoding on 5 of 8 ragged rows over 40
+greedy steps, against 8 of 8 this way (``bench/decode_step.py --check``).
+
+``VLM_SERVE_DECODE_ATTENTION=mlx`` keeps MLX's attention on CUDA too (for comparison).
 """
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
+from . import cuda_attention
 
-def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array):
-    """``q`` (slots, heads, 1, dim); ``keys``/``values`` (slots, kv_heads, span, dim);
-    ``mask`` (slots, 1, 1, span) bool. Returns (slots, heads * dim)."""
+_USE_KERNELS = os.environ.get("VLM_SERVE_DECODE_ATTENTION", "kernels") != "mlx"
+
+
+def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, visible) -> mx.array:
+    """``q`` (slots, heads, 1, dim); ``keys``/``values`` a layer's whole store (slots,
+    kv_heads, columns, dim); ``visible`` the step's ``(mask, counts)`` for the layer's
+    kind: ``mask`` (slots, 1, 1, span) bool, the leading columns each row attends to,
+    and ``counts`` (slots,) int32, how many. Returns (slots, heads * dim)."""
+    mask, counts = visible
+    if _USE_KERNELS and cuda_attention.available():
+        return cuda_attention.decode_attention(q, keys, values, counts, mask.shape[-1], scale)
+    return mlx_attend(q, keys, values, scale, visible)
+
+
+def mlx_attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, visible) -> mx.array:
+    """``attend`` through MLX's own attention, on every backend."""
+    mask, _ = visible
     slots, heads, _, dim = q.shape
+    span = mask.shape[-1]
+    if span < keys.shape[2]:
+        keys, values = keys[:, :, :span], values[:, :, :span]
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return out.reshape(slots, heads * dim)

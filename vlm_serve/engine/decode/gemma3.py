@@ -40,12 +40,12 @@ class Gemma3Decoder(StepDecoder):
         attn = text.layers[0].self_attn  # head counts from the layer (a sharded one has fewer)
         super().__init__(kinds, attn.n_heads, attn.n_kv_heads, config.head_dim)
 
-    def forward(self, tokens, positions, indices, masks, keys, values):
+    def forward(self, tokens, positions, indices, visible, keys, values):
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
         h = h * self.embed_scale.astype(h.dtype)
-        write = KVWriter(self, indices, masks, keys, values)
+        write = KVWriter(self, indices, keys, values)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, masks[self.kind_index[i]], write, i)
+            h = layer(h, positions, visible[self.kind_index[i]], write, i)
         h = mx.fast.rms_norm(h, self.final_norm, self.eps)
         return self.head(h), write.keys, write.values
 
@@ -73,7 +73,7 @@ class _Layer:
     def _norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norms[name], self.eps)
 
-    def __call__(self, x, positions, mask, write: KVWriter, index: int) -> mx.array:
+    def __call__(self, x, positions, visible, write: KVWriter, index: int) -> mx.array:
         attn = self.attn
         B = x.shape[0]
         x = clip_residual(x)
@@ -85,7 +85,7 @@ class _Layer:
         q = attn.rope(q, offset=positions)
         k = attn.rope(k, offset=positions)
         keys, values = write(index, k, v)
-        r = self.o_proj(attend(q, keys, values, attn.scale, mask))
+        r = self.o_proj(attend(q, keys, values, attn.scale, visible))
         h = clip_residual(x + self._norm("post_attention_layernorm", r))
         gate, up = mx.split(
             self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1

@@ -63,17 +63,17 @@ class Gemma4Decoder(StepDecoder):
         first = text.layers[0].self_attn  # head counts from the layer (a sharded one has fewer)
         super().__init__(kinds, first.n_heads, first.n_kv_heads, first.head_dim)
 
-    def forward(self, tokens, positions, indices, masks, keys, values):
+    def forward(self, tokens, positions, indices, visible, keys, values):
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
         h = h * self.embed_scale
         per_layer = self.per_layer(tokens, h, len(self.layers)) if self.per_layer else None
-        write = KVWriter(self, indices, masks, keys, values)
+        write = KVWriter(self, indices, keys, values)
         kvs = {}  # layer -> the keys/values it attended to, for the layers sharing them
         for i, layer in enumerate(self.layers):
             source = self.sources[i]
-            mask = masks[self.kind_index[source]]
+            seen = visible[self.kind_index[source]]
             pli = per_layer[i] if per_layer is not None else None
-            h, kvs[i] = layer(h, positions, mask, write, i, kvs.get(source), pli)
+            h, kvs[i] = layer(h, positions, seen, write, i, kvs.get(source), pli)
         h = mx.fast.rms_norm(h, self.final_norm, self.eps)
         logits = self.head(h)
         if self.softcap is not None:
@@ -144,7 +144,7 @@ class _Layer:
     def _norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norms[name], self.eps)
 
-    def __call__(self, x, positions, mask, write: KVWriter, index: int, shared_kv, pli):
+    def __call__(self, x, positions, visible, write: KVWriter, index: int, shared_kv, pli):
         B = x.shape[0]
         h = self._norm("input_layernorm", x)
         # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
@@ -161,7 +161,7 @@ class _Layer:
             keys, values = write(index, k, v)
         q = mx.fast.rms_norm(q.reshape(B, self.heads, 1, -1), self.q_norm, self.eps)
         q = self.rope(q, offset=positions)
-        r = self.o_proj(attend(q, keys, values, self.scale, mask))
+        r = self.o_proj(attend(q, keys, values, self.scale, visible))
         h = x + self._norm("post_attention_layernorm", r)
         gate, up = mx.split(
             self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1

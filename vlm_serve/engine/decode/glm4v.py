@@ -44,12 +44,12 @@ class Glm4vDecoder(StepDecoder):
         kinds = [LayerKind(None) for _ in text.layers]
         super().__init__(kinds, attn.n_heads, attn.n_kv_heads, head_dim)
 
-    def forward(self, tokens, positions, indices, masks, keys, values):
+    def forward(self, tokens, positions, indices, visible, keys, values):
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
         rope = self.shared_rope(positions, h.dtype)
-        write = KVWriter(self, indices, masks, keys, values)
+        write = KVWriter(self, indices, keys, values)
         for i, layer in enumerate(self.layers):
-            h = layer(self, h, rope, masks[self.kind_index[i]], write, i)
+            h = layer(self, h, rope, visible[self.kind_index[i]], write, i)
         return self.head(self.final_norm(h)), write.keys, write.values
 
     def shared_rope(self, positions: mx.array, dtype):
@@ -89,7 +89,7 @@ class _Layer:
         self.gate_up = StepLinear(mlp.gate_up_proj)  # already one layer in the model
         self.down_proj = StepLinear(mlp.down_proj)
 
-    def __call__(self, d: Glm4vDecoder, x, rope, mask, write: KVWriter, index: int):
+    def __call__(self, d: Glm4vDecoder, x, rope, visible, write: KVWriter, index: int):
         B = x.shape[0]
         q, k, v = mx.split(self.qkv(self.input_norm(x)), self.qkv_split, axis=-1)
         # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
@@ -97,6 +97,6 @@ class _Layer:
         k = k.reshape(B, d.kv_heads, 1, d.head_dim)
         q, k = rope(q, k)
         keys, values = write(index, k, v.reshape(B, d.kv_heads, 1, d.head_dim))
-        h = x + self.post_attn_out_norm(self.o_proj(attend(q, keys, values, self.scale, mask)))
+        h = x + self.post_attn_out_norm(self.o_proj(attend(q, keys, values, self.scale, visible)))
         gate, up = mx.split(self.gate_up(self.pre_mlp_norm(h)), 2, axis=-1)
         return h + self.post_mlp_norm(self.down_proj(silu(gate) * up))

@@ -40,16 +40,16 @@ class LlamaDecoder(StepDecoder):
         """Each layer's attention: full attention unless a subclass knows windows."""
         return [LayerKind(None) for _ in text.layers]
 
-    def forward(self, tokens, positions, indices, masks, keys, values, q_scale=None):
+    def forward(self, tokens, positions, indices, visible, keys, values, q_scale=None):
         """``q_scale`` (slots,): a per-row factor on the rotated queries (Ministral 3's
         attention scaling, ``ministral3.py``); None: none."""
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
         if q_scale is not None:  # cast once, as the model code casts before its layers
             q_scale = q_scale.astype(h.dtype)[:, None, None, None]
-        write = KVWriter(self, indices, masks, keys, values)
+        write = KVWriter(self, indices, keys, values)
         for i, layer in enumerate(self.layers):
-            mask = masks[self.kind_index[i]]
-            h = layer(self, h, positions, mask, write, i, q_scale)
+            seen = visible[self.kind_index[i]]
+            h = layer(self, h, positions, seen, write, i, q_scale)
         return self.head(self.final_norm(h)), write.keys, write.values
 
     def rope(self, layer: "_Layer", x: mx.array, positions: mx.array) -> mx.array:
@@ -74,7 +74,7 @@ class _Layer:
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(mlp.down_proj)
 
-    def __call__(self, d: LlamaDecoder, x, positions, mask, write: KVWriter, index: int,
+    def __call__(self, d: LlamaDecoder, x, positions, visible, write: KVWriter, index: int,
                  q_scale=None):
         B = x.shape[0]
         q, k, v = mx.split(self.qkv(self.input_norm(x)), self.qkv_split, axis=-1)
@@ -87,6 +87,6 @@ class _Layer:
         if q_scale is not None:
             q = q * q_scale
         keys, values = write(index, k, v.reshape(B, d.kv_heads, 1, d.head_dim))
-        h = x + self.o_proj(attend(q, keys, values, self.scale, mask))
+        h = x + self.o_proj(attend(q, keys, values, self.scale, visible))
         gate, up = mx.split(self.gate_up(self.post_norm(h)), self.gate_up_split, axis=-1)
         return h + self.down_proj(swiglu(gate, up))

@@ -1,8 +1,9 @@
 """What every engine decode step shares: the slot store's bookkeeping around a pure
 forward function of the step's arrays, optionally compiled.
 
-``forward(tokens, positions, write_indices, masks, keys, values, *inputs)`` takes
-everything as arrays (the store's per-kind write indices and masks, its per-layer keys
+``forward(tokens, positions, write_indices, visible, keys, values, *inputs)`` takes
+everything as arrays (the store's per-kind write indices and visible keys, each a
+``(mask, counts)`` pair that ``attention.attend`` reads, its per-layer keys
 and values, and whatever further per-row arrays a decoder's ``step_inputs`` makes) and
 returns the logits and the updated keys and values, so it can be handed to
 ``mx.compile``: the graph is then traced once per shape and replayed from C++ instead
@@ -37,10 +38,10 @@ class StepDecoder:
         positions, layouts = store.layout()
         rope_positions = store.rope_positions(positions)
         indices = [layouts[k].write_index for k in store.kinds]
-        masks = [layouts[k].mask for k in store.kinds]
+        visible = [(layouts[k].mask, layouts[k].counts) for k in store.kinds]
         forward = self.compiled or self.forward
         logits, store.keys, store.values = forward(
-            tokens, rope_positions, indices, masks, store.keys, store.values,
+            tokens, rope_positions, indices, visible, store.keys, store.values,
             *self.step_inputs(store),
         )
         store.advance()
@@ -51,26 +52,22 @@ class StepDecoder:
         store's lengths), passed to ``forward`` after ``values``."""
         return ()
 
-    def forward(self, tokens, positions, indices, masks, keys, values, *inputs):
+    def forward(self, tokens, positions, indices, visible, keys, values, *inputs):
         raise NotImplementedError
 
 
 class KVWriter:
     """One step's writes into the store's per-layer keys/values (lists the forward
     function owns): each layer writes its rows' new key/value at their columns and
-    attends to the columns its kind's mask spans."""
+    returns its whole keys/values (attention reads the columns its kind makes visible)."""
 
-    def __init__(self, decoder: StepDecoder, indices, masks, keys, values):
+    def __init__(self, decoder: StepDecoder, indices, keys, values):
         self.decoder = decoder
-        self.indices, self.masks = indices, masks
+        self.indices = indices
         self.keys, self.values = list(keys), list(values)
 
     def __call__(self, layer: int, k: mx.array, v: mx.array):
-        kind = self.decoder.kind_index[layer]
-        index = self.indices[kind]
+        index = self.indices[self.decoder.kind_index[layer]]
         self.keys[layer] = mx.put_along_axis(self.keys[layer], index, k, axis=2)
         self.values[layer] = mx.put_along_axis(self.values[layer], index, v, axis=2)
-        span = self.masks[kind].shape[-1]
-        if span == self.keys[layer].shape[2]:
-            return self.keys[layer], self.values[layer]
-        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+        return self.keys[layer], self.values[layer]

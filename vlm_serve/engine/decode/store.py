@@ -66,6 +66,7 @@ class StepLayout:
 
     write_index: mx.array  # (slots, kv_heads, 1, head_dim): column each row writes
     mask: mx.array  # (slots, 1, 1, span) bool: keys each row may attend to (a prefix)
+    counts: mx.array  # (slots,) int32: how many leading columns each row attends to
 
 
 class SlotStore:
@@ -227,6 +228,9 @@ class SlotStore:
             self._resize(self.slots, longest, self.keys[0].dtype)
         padding = [0] * (self.slots - self.rows)
         positions = mx.array(self.lengths + padding, mx.int32)
+        # Every kind's count is the row's own keys, its new one included: a window's
+        # ring never holds more than the window, which is its layers' column count.
+        counts = mx.array([n + 1 for n in self.lengths] + [1] * len(padding), mx.int32)
         layouts = {}
         for window in self.kinds:
             if window:
@@ -244,7 +248,7 @@ class SlotStore:
             # A ring column i holds a valid key once i <= position (it fills from 0 and
             # then keeps the last `window` positions); a full-attention column the same.
             mask = mx.arange(span)[None, :] <= positions[:, None]
-            layouts[window] = StepLayout(write_index, mask[:, None, None, :])
+            layouts[window] = StepLayout(write_index, mask[:, None, None, :], counts)
         return positions, layouts
 
     def rope_positions(self, positions: mx.array) -> mx.array:

@@ -1,0 +1,65 @@
+"""The engine's CUDA decode-attention kernels (``engine/decode/cuda_attention.py``):
+close to MLX's own attention, and a row's output the same to the bit batched as alone.
+They run only where MLX has its CUDA backend (skipped elsewhere, CI included)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vlm_serve.engine.decode import cuda_attention
+from vlm_serve.engine.decode.attention import mlx_attend
+
+pytestmark = pytest.mark.skipif(not cuda_attention.available(), reason="needs MLX's CUDA backend")
+
+
+def _store(rng, rows, heads, kv_heads, dim, columns, dtype):
+    q = mx.array(rng.standard_normal((rows, heads, 1, dim)).astype(np.float32)).astype(dtype)
+    keys = mx.array(rng.standard_normal((rows, kv_heads, columns, dim)).astype(np.float32))
+    values = mx.array(rng.standard_normal((rows, kv_heads, columns, dim)).astype(np.float32))
+    return q, keys.astype(dtype), values.astype(dtype)
+
+
+def _visible(counts, span):
+    counts = mx.array(counts, mx.int32)
+    mask = mx.arange(span)[None, :] < counts[:, None]
+    return mask[:, None, None, :], counts
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_matches_mlx_attention(dim, dtype):
+    rng = np.random.default_rng(dim)
+    heads, kv_heads, columns = 8, 2, 768
+    counts = [1, 5, 255, 256, 257, 600, 700, 33]
+    q, keys, values = _store(rng, len(counts), heads, kv_heads, dim, columns, dtype)
+    span = 704
+    visible = _visible(counts, span)
+    scale = dim**-0.5
+    ours = cuda_attention.decode_attention(q, keys, values, visible[1], span, scale)
+    theirs = mlx_attend(q, keys, values, scale, visible)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(
+        np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_row_batched_equals_it_alone(dtype):
+    """Other rows, another span (chunk count) and more columns never change a row."""
+    rng = np.random.default_rng(0)
+    heads, kv_heads, dim, columns = 8, 4, 256, 1024
+    counts = [3, 300, 900, 512, 64]
+    q, keys, values = _store(rng, len(counts), heads, kv_heads, dim, columns, dtype)
+    together = cuda_attention.decode_attention(
+        q, keys, values, mx.array(counts, mx.int32), 928, 1 / 16
+    )
+    for i, count in enumerate(counts):
+        own = -(-count // 32) * 32
+        alone = cuda_attention.decode_attention(
+            q[i:i + 1], keys[i:i + 1, :, :own], values[i:i + 1, :, :own],
+            mx.array([count], mx.int32), own, 1 / 16,
+        )
+        assert np.array_equal(np.array(alone.astype(mx.float32)),
+                              np.array(together[i:i + 1].astype(mx.float32))), f"row {i}"
