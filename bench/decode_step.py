@@ -103,17 +103,16 @@ def _alone_model_code(model, prompts, steps) -> list[list[int]]:
     return alone
 
 
-def _visible_keys(keys, values, visible):
-    mask, _ = visible
+def _visible_keys(keys, values, mask):
     span = mask.shape[-1]
     return keys[:, :, :span], values[:, :, :span], mask
 
 
-def grouped_attend(q, keys, values, scale, visible):
+def grouped_attend(q, keys, values, scale, mask):
     """The engine step's earlier attention: a key/value head's query heads as the rows
     of one matmul (no broadcast of the keys), an additive mask. It rounds differently
     from MLX's own attention on CUDA (see bench/results/gpu-h100-burst)."""
-    keys, values, mask = _visible_keys(keys, values, visible)
+    keys, values, mask = _visible_keys(keys, values, mask)
     slots, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     q = (q * scale).reshape(slots, kv_heads, heads // kv_heads, dim)
@@ -122,11 +121,11 @@ def grouped_attend(q, keys, values, scale, visible):
     return mx.matmul(weights, values).reshape(slots, heads * dim)
 
 
-def per_head_attend(q, keys, values, scale, visible):
+def per_head_attend(q, keys, values, scale, mask):
     """One query row per matmul, as MLX's own composition has it, but each query head of
     a group against its key/value head in a matmul of its own instead of broadcasting
     the keys to every query head: more matmuls, no copies of the keys."""
-    keys, values, mask = _visible_keys(keys, values, visible)
+    keys, values, mask = _visible_keys(keys, values, mask)
     slots, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
@@ -142,17 +141,19 @@ ATTENTION_FORMS = {"mlx": mlx_attend, "grouped": grouped_attend, "per-head": per
 
 
 def with_attention(form: str | None, run):
-    """``run()`` with the engine step's attention in another form (None: its own)."""
-    from vlm_serve.engine.decode import gemma3, llama
+    """``run()`` with the engine step's attention in another form (None: its own). The
+    other forms take a mask, so the decoders built meanwhile make masks."""
+    from vlm_serve.engine.decode import gemma3, llama, step
 
     if form is None:
         return run()
-    saved = gemma3.attend, llama.attend
+    saved = gemma3.attend, llama.attend, step.uses_kernels
     gemma3.attend = llama.attend = ATTENTION_FORMS[form]
+    step.uses_kernels = lambda: False
     try:
         return run()
     finally:
-        gemma3.attend, llama.attend = saved
+        gemma3.attend, llama.attend, step.uses_kernels = saved
 
 
 def main() -> None:
@@ -169,7 +170,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--attention", choices=sorted(ATTENTION_FORMS),
                    help="check the engine step with another attention form "
-                        "(timings always include each: engine_mlx_ms, engine_grouped_ms, engine_per-head_ms)")
+                        "(timings include each: engine_mlx_ms, engine_grouped_ms, engine_per-head_ms)")
+    p.add_argument("--columns", default=None,
+                   help="time only these columns, e.g. plain,engine,engine_eager (default: all)")
     args = p.parse_args()
     model, _ = load(args.model)
     if args.check:
@@ -181,15 +184,18 @@ def main() -> None:
     else:
         result = {"device": str(mx.default_device()), "context": args.context, "steps": {}}
         for b in (int(x) for x in args.batch_sizes.split(",")):
-            row = {
-                "plain_ms": plain_step(model, b, args.context, args.steps),
-                "model_code_ms": engine_step(model, b, args.context, args.steps, False),
-                "engine_ms": engine_step(model, b, args.context, args.steps, True),
-                "engine_eager_ms": engine_step(model, b, args.context, args.steps, True, False),
-                **{f"engine_{form}_ms": with_attention(
-                    form, lambda: engine_step(model, b, args.context, args.steps, True))
+            timings = {
+                "plain": lambda: plain_step(model, b, args.context, args.steps),
+                "model_code": lambda: engine_step(model, b, args.context, args.steps, False),
+                "engine": lambda: engine_step(model, b, args.context, args.steps, True),
+                "engine_eager": lambda: engine_step(model, b, args.context, args.steps, True, False),
+                **{f"engine_{form}": functools.partial(
+                    with_attention, form,
+                    lambda: engine_step(model, b, args.context, args.steps, True))
                    for form in ATTENTION_FORMS},
             }
+            wanted = args.columns.split(",") if args.columns else list(timings)
+            row = {f"{name}_ms": timings[name]() for name in wanted}
             row = {k: round(v, 3) if v is not None else None for k, v in row.items()}
             result["steps"][b] = row
             print(b, row, flush=True)

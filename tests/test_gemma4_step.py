@@ -147,9 +147,23 @@ def test_moe_gemma4_stays_on_the_model_code():
         Gemma4Decoder(model)
 
 
+@pytest.fixture(params=["mask", "counts"])
+def visible_keys(request, monkeypatch):
+    """How the step tells attention which keys a row sees: a mask (MLX's attention), or
+    counts (the CUDA kernels' form: the whole store, each row's count of keys). The
+    kernels need CUDA, so here their MLX reference stands in for them: what this checks
+    is the counts' plumbing (per layer kind, windows and KV-shared layers included)."""
+    from vlm_serve.engine.decode import cuda_attention, step
+
+    if request.param == "counts":
+        monkeypatch.setattr(step, "uses_kernels", lambda: True)
+        monkeypatch.setattr(cuda_attention, "decode_attention", cuda_attention.reference_attention)
+    return request.param
+
+
 @pytest.mark.parametrize("arch,bits", [("gemma4", None), ("gemma4", 4), ("gemma3", None)],
                          ids=["gemma4-f32", "gemma4-q4", "gemma3-f32"])
-def test_step_logits_equal_alone_bitwise_across_the_window(arch, bits):
+def test_step_logits_equal_alone_bitwise_across_the_window(arch, bits, visible_keys):
     """Rows of different lengths, some past the sliding window (32) from the start, fed
     the same tokens batched (the engine step) and each alone (the model code on its own
     caches): every row's logits are equal to the bit at every step. The store's ring
@@ -175,6 +189,7 @@ def test_step_logits_equal_alone_bitwise_across_the_window(arch, bits):
                       for s in range(steps)])
     batch = Batch(model, family, vocab)
     assert batch.store is not None
+    assert batch.decoder.counts == (visible_keys == "counts")
     for i, ids in enumerate(prompts):
         prefill = prefilled_alone(model, family, f"r{i}", ids)
         sampler = BatchSampler(vocab)

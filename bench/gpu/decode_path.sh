@@ -50,7 +50,7 @@ if has check; then
 fi
 if has steps; then
   python3 bench/decode_step.py --model "$MODEL" --batch-sizes "${SIZES:-1,64,128}" --context 320 \
-      --out "$OUT/steps.json" | grep "_ms"
+      ${COLUMNS:+--columns $COLUMNS} --out "$OUT/steps.json" | grep "_ms"
 fi
 if has burst; then
   OUT=$OUT bash bench/gpu/burst.sh gemma3-4b

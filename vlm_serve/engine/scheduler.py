@@ -39,6 +39,9 @@ from .types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
 
 log = logging.getLogger("vlm_serve.engine")
 
+# A turn longer than this (seconds) is logged with its parts: running streams stalled.
+SLOW_TURN_S = 0.25
+
 Publish = Callable[[list[GenerationEvent]], None]
 
 
@@ -289,16 +292,36 @@ class Scheduler:
     def _turn(self) -> None:
         idle = not (self.waiting or self.prefilling or self.running or self._inflight)
         self._take_inputs(idle)
+        started = time.perf_counter()
         self._admit()
         budget = self.config.prefill_token_budget
         while self.prefilling and budget > 0:
             budget -= self._prefill_step()
+        prefilled = time.perf_counter()
+        joined = len(self._ready)
         self.batch.add(self._ready)
         self._ready = []
         self.peak_running = max(self.peak_running, len(self.running))
+        joined_at = time.perf_counter()
         if self.running or self._inflight:
             self._decode_step()
         self._account()
+        tokens = self.config.prefill_token_budget - budget
+        self._note_slow_turn(started, prefilled, joined_at, tokens, joined)
+
+    def _note_slow_turn(self, started, prefilled, joined_at, tokens: int, joined: int) -> None:
+        """Log a turn that held the running streams up for long, with where it went."""
+        now = time.perf_counter()
+        if now - started < SLOW_TURN_S:
+            return
+        store = self.batch.store
+        log.info(
+            "slow turn: %.0f ms (admission and prefill of %d tokens %.0f ms, %d rows joining "
+            "%.0f ms, decode of %d rows in %d slots %.0f ms)",
+            1000 * (now - started), tokens, 1000 * (prefilled - started), joined,
+            1000 * (joined_at - prefilled), len(self.running),
+            store.slots if store is not None else len(self.running), 1000 * (now - joined_at),
+        )
 
     def _take_inputs(self, idle: bool) -> None:
         """Everything from outside this turn acts on: new requests, cancellations and

@@ -24,20 +24,25 @@ from . import cuda_attention
 _USE_KERNELS = os.environ.get("VLM_SERVE_DECODE_ATTENTION", "kernels") != "mlx"
 
 
-def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, visible) -> mx.array:
+def uses_kernels() -> bool:
+    """Whether decode attention runs on this engine's CUDA kernels, which take each
+    row's count of visible keys, rather than MLX's attention, which takes a mask."""
+    return _USE_KERNELS and cuda_attention.available()
+
+
+def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, visible: mx.array) -> mx.array:
     """``q`` (slots, heads, 1, dim); ``keys``/``values`` a layer's whole store (slots,
-    kv_heads, columns, dim); ``visible`` the step's ``(mask, counts)`` for the layer's
-    kind: ``mask`` (slots, 1, 1, span) bool, the leading columns each row attends to,
-    and ``counts`` (slots,) int32, how many. Returns (slots, heads * dim)."""
-    mask, counts = visible
-    if _USE_KERNELS and cuda_attention.available():
-        return cuda_attention.decode_attention(q, keys, values, counts, mask.shape[-1], scale)
+    kv_heads, columns, dim); ``visible`` the leading columns each row attends to, as the
+    step's store layout gives them for the layer's kind: counts (slots,) int32 for the
+    kernels (so a step's shapes do not change as rows grow: no new compiled trace), or
+    a mask (slots, 1, 1, span) bool for MLX. Returns (slots, heads * dim)."""
+    if visible.ndim == 1:
+        return cuda_attention.decode_attention(q, keys, values, visible, scale)
     return mlx_attend(q, keys, values, scale, visible)
 
 
-def mlx_attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, visible) -> mx.array:
-    """``attend`` through MLX's own attention, on every backend."""
-    mask, _ = visible
+def mlx_attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """``attend`` through MLX's own attention, on every backend, with a mask."""
     slots, heads, _, dim = q.shape
     span = mask.shape[-1]
     if span < keys.shape[2]:

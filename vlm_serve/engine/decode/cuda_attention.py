@@ -175,14 +175,14 @@ def _kernels(scale: float):
 
 
 def decode_attention(
-    q: mx.array, keys: mx.array, values: mx.array, counts: mx.array, span: int, scale: float
+    q: mx.array, keys: mx.array, values: mx.array, counts: mx.array, scale: float
 ) -> mx.array:
     """``q`` (slots, heads, 1, dim); ``keys``/``values`` the store's (slots, kv_heads,
     columns, dim); ``counts`` (slots,) int32: how many leading columns each row
-    attends to (at most ``span``). Returns (slots, heads * dim) in ``q``'s dtype."""
+    attends to. Returns (slots, heads * dim) in ``q``'s dtype."""
     slots, heads, _, dim = q.shape
-    kv_heads = keys.shape[1]
-    chunks = max(1, -(-span // CHUNK))
+    kv_heads, columns = keys.shape[1], keys.shape[2]
+    chunks = max(1, -(-columns // CHUNK))
     partial_kernel, combine_kernel = _kernels(scale)
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads),
                 ("CHUNK", CHUNK), ("WARPS", WARPS), ("GROUP", GROUP)]
@@ -203,3 +203,14 @@ def decode_attention(
         output_dtypes=[q.dtype],
     )
     return out
+
+
+def reference_attention(
+    q: mx.array, keys: mx.array, values: mx.array, counts: mx.array, scale: float
+) -> mx.array:
+    """What ``decode_attention`` computes, through MLX's own attention with a mask made
+    from ``counts`` (to compare with, and to stand in for the kernels where CUDA is not)."""
+    slots, heads, _, dim = q.shape
+    mask = (mx.arange(keys.shape[2])[None, :] < counts[:, None])[:, None, None, :]
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return out.reshape(slots, heads * dim)

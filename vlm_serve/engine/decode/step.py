@@ -2,8 +2,8 @@
 forward function of the step's arrays, optionally compiled.
 
 ``forward(tokens, positions, write_indices, visible, keys, values, *inputs)`` takes
-everything as arrays (the store's per-kind write indices and visible keys, each a
-``(mask, counts)`` pair that ``attention.attend`` reads, its per-layer keys
+everything as arrays (the store's per-kind write indices and visible keys, a mask
+or counts as ``attention.attend`` takes them, its per-layer keys
 and values, and whatever further per-row arrays a decoder's ``step_inputs`` makes) and
 returns the logits and the updated keys and values, so it can be handed to
 ``mx.compile``: the graph is then traced once per shape and replayed from C++ instead
@@ -16,10 +16,15 @@ import os
 
 import mlx.core as mx
 
+from .attention import uses_kernels
 from .store import LayerKind, SlotStore
 
 # Set VLM_SERVE_COMPILE_DECODE=0 to build the step op by op (for comparison).
 COMPILE = os.environ.get("VLM_SERVE_COMPILE_DECODE", "1") != "0"
+# On CUDA, past this many slots the step built op by op is the faster one (H100,
+# Gemma-3-4B shape, two runs: 128 slots 11.8 vs 14.3 ms and 14.0 vs 17.6 ms; 64 slots
+# about even; 1 and 32 slots compiled faster; bench/results/gpu-h100-cuda-attention).
+CUDA_COMPILE_MAX_SLOTS = int(os.environ.get("VLM_SERVE_CUDA_COMPILE_MAX_SLOTS", "64"))
 
 
 class StepDecoder:
@@ -29,17 +34,22 @@ class StepDecoder:
         kinds = sorted({k.window or 0 for k in layer_kinds})
         self.kind_index = [kinds.index(k.window or 0) for k in layer_kinds]
         self.compiled = mx.compile(self.forward) if COMPILE else None
+        self.counts = uses_kernels()  # attention takes counts of visible keys, not a mask
+        on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+        self.compile_max_slots = CUDA_COMPILE_MAX_SLOTS if on_cuda else None
 
     def new_store(self) -> SlotStore:
         return SlotStore(self.layer_kinds, self.kv_heads, self.head_dim)
 
     def __call__(self, tokens: mx.array, store: SlotStore) -> mx.array:
         """Logits (slots, vocab) of one decode step; ``tokens`` is (slots,)."""
-        positions, layouts = store.layout()
+        positions, layouts = store.layout(counts=self.counts)
         rope_positions = store.rope_positions(positions)
         indices = [layouts[k].write_index for k in store.kinds]
-        visible = [(layouts[k].mask, layouts[k].counts) for k in store.kinds]
+        visible = [layouts[k].visible for k in store.kinds]
         forward = self.compiled or self.forward
+        if self.compile_max_slots is not None and store.slots > self.compile_max_slots:
+            forward = self.forward
         logits, store.keys, store.values = forward(
             tokens, rope_positions, indices, visible, store.keys, store.values,
             *self.step_inputs(store),

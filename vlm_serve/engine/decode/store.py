@@ -65,8 +65,9 @@ class StepLayout:
     """What every layer of one kind needs for one decode step."""
 
     write_index: mx.array  # (slots, kv_heads, 1, head_dim): column each row writes
-    mask: mx.array  # (slots, 1, 1, span) bool: keys each row may attend to (a prefix)
-    counts: mx.array  # (slots,) int32: how many leading columns each row attends to
+    # The keys each row may attend to (a prefix of the columns), as attention takes them:
+    # (slots, 1, 1, span) bool, or with counts, (slots,) int32: how many.
+    visible: mx.array
 
 
 class SlotStore:
@@ -220,17 +221,19 @@ class SlotStore:
 
     # -- one decode step ---------------------------------------------------------------
 
-    def layout(self) -> tuple[mx.array, dict[int, StepLayout]]:
+    def layout(self, counts: bool = False) -> tuple[mx.array, dict[int, StepLayout]]:
         """Positions of this step's tokens (slots,) and, per kind, where they are
-        written and what they attend to. Grows the store first if a row needs it."""
+        written and what they attend to (a mask, or with ``counts`` how many leading
+        columns). Grows the store first if a row needs it."""
         longest = max(self.lengths) + 1
         if longest > self._capacity():
             self._resize(self.slots, longest, self.keys[0].dtype)
         padding = [0] * (self.slots - self.rows)
         positions = mx.array(self.lengths + padding, mx.int32)
-        # Every kind's count is the row's own keys, its new one included: a window's
-        # ring never holds more than the window, which is its layers' column count.
-        counts = mx.array([n + 1 for n in self.lengths] + [1] * len(padding), mx.int32)
+        if counts:
+            # Every kind's count is the row's own keys, its new one included: a window's
+            # ring never holds more than the window, which is its layers' column count.
+            visible = mx.array([n + 1 for n in self.lengths] + [1] * len(padding), mx.int32)
         layouts = {}
         for window in self.kinds:
             if window:
@@ -245,10 +248,12 @@ class SlotStore:
             write_index = mx.broadcast_to(
                 column[:, None, None, None], (self.slots, kv_heads, 1, head_dim)
             )
-            # A ring column i holds a valid key once i <= position (it fills from 0 and
-            # then keeps the last `window` positions); a full-attention column the same.
-            mask = mx.arange(span)[None, :] <= positions[:, None]
-            layouts[window] = StepLayout(write_index, mask[:, None, None, :], counts)
+            if not counts:
+                # A ring column i holds a valid key once i <= position (it fills from 0
+                # and then keeps the last `window` positions); a full-attention column
+                # the same.
+                visible = (mx.arange(span)[None, :] <= positions[:, None])[:, None, None, :]
+            layouts[window] = StepLayout(write_index, visible)
         return positions, layouts
 
     def rope_positions(self, positions: mx.array) -> mx.array:
