@@ -89,6 +89,22 @@ def test_version_prints_the_versions_and_exits_0():
     assert f"mlx {version('mlx')}" in line and f"mlx-vlm {version('mlx-vlm')}" in line
 
 
+@pytest.mark.parametrize("preset,expected", [(None, "0"), ("1", "1")])
+def test_importing_vlm_serve_turns_off_mlx_cache_thrashing_errors_unless_set(preset, expected):
+    """MLX's CUDA caches raise on every miss once a long-running process has missed more
+    than twice their capacity; vlm-serve turns that check off before MLX builds them,
+    and keeps an operator's own value."""
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
+    if preset is not None:
+        env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = preset
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import vlm_serve, os; print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'])"],
+        env=env, capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == expected
+
+
 def test_every_flag_from_the_environment_and_the_command_line_wins():
     env = {"VLM_SERVE_API_KEY": "from-env", "VLM_SERVE_MAX_NUM_SEQS": "64",
            "VLM_SERVE_WARMUP": "0", "VLM_SERVE_NO_ACCESS_LOG": "true",
