@@ -30,7 +30,8 @@ def uses_kernels() -> bool:
     return _USE_KERNELS and cuda_attention.available()
 
 
-def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, visible: mx.array) -> mx.array:
+def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+           visible: mx.array) -> mx.array:
     """``q`` (slots, heads, 1, dim); ``keys``/``values`` a layer's whole store (slots,
     kv_heads, columns, dim); ``visible`` the leading columns each row attends to, as the
     step's store layout gives them for the layer's kind: counts (slots,) int32 for the
@@ -41,7 +42,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, visible:
     return mlx_attend(q, keys, values, scale, visible)
 
 
-def mlx_attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+def mlx_attend(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+               mask: mx.array) -> mx.array:
     """``attend`` through MLX's own attention, on every backend, with a mask."""
     slots, heads, _, dim = q.shape
     span = mask.shape[-1]

@@ -11,7 +11,7 @@ row the same way whatever else is in the batch:
   float32), and the block combines its warps in order;
 - pass 2: one block per (row, query head) combines the chunks in order. Chunks past a
   row's count are empty and add exact zeros, so the number of chunks (which follows the
-  longest row) never changes a row's bits.
+  store's columns) never changes a row's bits.
 
 The split of columns into chunks and warps depends only on fixed constants and the
 row's own count, so a row batched and the same row alone take the same arithmetic.

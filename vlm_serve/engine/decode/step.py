@@ -2,12 +2,12 @@
 forward function of the step's arrays, optionally compiled.
 
 ``forward(tokens, positions, write_indices, visible, keys, values, *inputs)`` takes
-everything as arrays (the store's per-kind write indices and visible keys, a mask
-or counts as ``attention.attend`` takes them, its per-layer keys
-and values, and whatever further per-row arrays a decoder's ``step_inputs`` makes) and
-returns the logits and the updated keys and values, so it can be handed to
-``mx.compile``: the graph is then traced once per shape and replayed from C++ instead
-of being rebuilt op by op in Python every step.
+everything as arrays (the store's per-kind write indices and visible keys, a mask or
+counts as ``attention.attend`` takes them; its per-layer keys and values; and whatever
+further per-row arrays a decoder's ``step_inputs`` makes) and returns the logits and
+the updated keys and values, so it can be handed to ``mx.compile``: the graph is then
+traced once per shape and replayed from C++ instead of being rebuilt op by op in Python
+every step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from .store import LayerKind, SlotStore
 COMPILE = os.environ.get("VLM_SERVE_COMPILE_DECODE", "1") != "0"
 # On CUDA, past this many slots the step built op by op is the faster one (H100,
 # Gemma-3-4B shape, two runs: 128 slots 11.8 vs 14.3 ms and 14.0 vs 17.6 ms; 64 slots
-# about even; 1 and 32 slots compiled faster; bench/results/gpu-h100-cuda-attention).
+# about even; 1 and 32 slots compiled faster; both runs before the step's shapes stopped
+# following the span: bench/results/gpu-h100-cuda-attention).
 CUDA_COMPILE_MAX_SLOTS = int(os.environ.get("VLM_SERVE_CUDA_COMPILE_MAX_SLOTS", "64"))
 
 
