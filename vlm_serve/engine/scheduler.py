@@ -294,9 +294,10 @@ class Scheduler:
         self._take_inputs(idle)
         started = time.perf_counter()
         self._admit()
-        budget = self.config.prefill_token_budget
+        budget, passes = self.config.prefill_token_budget, 0
         while self.prefilling and budget > 0:
             budget -= self._prefill_step()
+            passes += 1
         prefilled = time.perf_counter()
         joined = len(self._ready)
         self.batch.add(self._ready)
@@ -307,18 +308,19 @@ class Scheduler:
             self._decode_step()
         self._account()
         tokens = self.config.prefill_token_budget - budget
-        self._note_slow_turn(started, prefilled, joined_at, tokens, joined)
+        self._note_slow_turn(started, prefilled, joined_at, tokens, passes, joined)
 
-    def _note_slow_turn(self, started, prefilled, joined_at, tokens: int, joined: int) -> None:
+    def _note_slow_turn(self, started, prefilled, joined_at, tokens: int, passes: int,
+                        joined: int) -> None:
         """Log a turn that held the running streams up for long, with where it went."""
         now = time.perf_counter()
         if now - started < SLOW_TURN_S:
             return
         store = self.batch.store
         log.info(
-            "slow turn: %.0f ms (admission and prefill of %d tokens %.0f ms, %d rows joining "
-            "%.0f ms, decode of %d rows in %d slots %.0f ms)",
-            1000 * (now - started), tokens, 1000 * (prefilled - started), joined,
+            "slow turn: %.0f ms (admission and prefill of %d tokens in %d steps %.0f ms, "
+            "%d rows joining %.0f ms, decode of %d rows in %d slots %.0f ms)",
+            1000 * (now - started), tokens, passes, 1000 * (prefilled - started), joined,
             1000 * (joined_at - prefilled), len(self.running),
             store.slots if store is not None else len(self.running), 1000 * (now - joined_at),
         )
