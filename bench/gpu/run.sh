@@ -7,7 +7,10 @@
 # SERVERS picks the columns (default "envelope vlm-serve mlx-vlm"; "vllm-mlx" adds
 # vllm-mlx 0.6's continuous-batching server); SWEEP and PER_LEVEL set the concurrency
 # levels and requests per unit of concurrency; LOAD=text sends ~256-token text chats
-# instead of the image requests.
+# instead of the image requests. PROFILE=1 samples vlm-serve's threads with py-spy
+# while it serves (PROFILE=native adds C++ frames; needs py-spy, e.g. EXTRA_WHEELS=py-spy
+# for the device's prepare.sh) and summarizes them (bench/pyspy_summary.py); the server
+# log lists every scheduler turn over 250 ms with its parts.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -53,11 +56,29 @@ sweep() {  # label base_url
   tail -8 "$OUT/$1.bench.log"
 }
 
+profile_start() {  # pid label: sample the server's threads until profile_stop
+  spy=
+  [ "${PROFILE:-0}" != 0 ] && command -v py-spy > /dev/null || return 0
+  py-spy record --pid "$1" --rate 200 --threads --idle --nonblocking --format raw \
+      $([ "$PROFILE" = native ] && echo --native) -o "$OUT/$2.pyspy.txt" > "$OUT/$2.pyspy.log" 2>&1 &
+  spy=$!
+}
+profile_stop() {  # label
+  [ -n "${spy:-}" ] || return 0
+  kill -INT $spy; wait $spy 2>/dev/null
+  python3 bench/pyspy_summary.py "$OUT/$1.pyspy.txt" --top 25 > "$OUT/$1.pyspy-summary.txt" 2>&1
+  python3 bench/pyspy_summary.py "$OUT/$1.pyspy.txt" --top 25 --thread mlx-worker
+}
+
 if has vlm-serve; then
   python3 -m vlm_serve.cli --model "$MODEL" --served-model-name "$MODEL" --port 8000 \
       --max-num-seqs 128 --max-queue-size 1024 --log-level info > "$OUT/vlm-serve.server.log" 2>&1 &
   pid=$!
-  wait_up http://127.0.0.1:8000/health $pid && sweep vlm-serve http://127.0.0.1:8000/v1
+  if wait_up http://127.0.0.1:8000/health $pid; then
+    profile_start $pid vlm-serve
+    sweep vlm-serve http://127.0.0.1:8000/v1
+    profile_stop vlm-serve
+  fi
   kill $pid; wait $pid 2>/dev/null
 fi
 
