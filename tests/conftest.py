@@ -65,7 +65,7 @@ class RunningServer:
 
     def __init__(self, config: ServerConfig):
         from vlm_serve.api.app import create_app
-        from vlm_serve.server import build_engine, hypercorn_config
+        from vlm_serve.server import build_engine, hypercorn_config, run_event_loop
 
         self.config = config
         self.engine = build_engine(config)
@@ -83,7 +83,8 @@ class RunningServer:
             started.set()
             await serve(self.app, hypercorn_config(config), shutdown_trigger=self._stop.wait)
 
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+        # The server's own event loop (uvloop where installed), as in production.
+        self._thread = threading.Thread(target=run_event_loop, args=(main(),), daemon=True)
         self._thread.start()
         started.wait(10)
         self._wait_ready()
