@@ -148,7 +148,8 @@ _COMBINE = """
 
 def available() -> bool:
     """Whether the default device runs these kernels (MLX's CUDA backend)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    cuda = getattr(mx, "cuda", None)  # not every MLX build has the module
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 @functools.cache

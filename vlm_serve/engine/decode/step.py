@@ -16,6 +16,7 @@ import os
 
 import mlx.core as mx
 
+from . import cuda_attention
 from .attention import uses_kernels
 from .store import LayerKind, SlotStore
 
@@ -36,8 +37,7 @@ class StepDecoder:
         self.kind_index = [kinds.index(k.window or 0) for k in layer_kinds]
         self.compiled = mx.compile(self.forward) if COMPILE else None
         self.counts = uses_kernels()  # attention takes counts of visible keys, not a mask
-        on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-        self.compile_max_slots = CUDA_COMPILE_MAX_SLOTS if on_cuda else None
+        self.compile_max_slots = CUDA_COMPILE_MAX_SLOTS if cuda_attention.available() else None
 
     def new_store(self) -> SlotStore:
         return SlotStore(self.layer_kinds, self.kv_heads, self.head_dim)
