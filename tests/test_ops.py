@@ -222,7 +222,7 @@ def test_metrics_under_vllm_names_with_model_name_and_no_created(start_server):
                  "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
                  "vllm:e2e_request_latency_seconds", "vllm:inter_token_latency_seconds",
                  "vllm:request_success", "vllm:prefix_cache_hits", "vlm_vision_cache_hits",
-                 "vlm_requests", "vlm_kv_cache_bytes"):
+                 "vlm_requests", "vlm_kv_cache_bytes", "vlm_slow_turns"):
         assert name in families, name
         assert all(s.labels.get("model_name") == "tiny-qwen2_5_vl" for s in families[name].samples), name
     assert not [line for line in text.splitlines() if "_created" in line]

@@ -172,12 +172,14 @@ def test_a_slow_turn_is_logged_with_where_it_went(harness, caplog, monkeypatch):
     from vlm_serve.engine import scheduler
 
     monkeypatch.setattr(scheduler, "SLOW_TURN_S", 0.0)
+    monkeypatch.setattr(scheduler, "SLOW_TURN_LOG_S", 0.0)
     case = _cases()[0]
     with caplog.at_level("INFO", logger="vlm_serve.engine"):
         result = run_jobs(harness.engine, [(harness.prepare(case, "slow-turns"), None, None)])
     _assert_matches_oracle(harness, case, result["slow-turns"])
     turns = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow turn:")]
     assert any("prefill of" in t and "decode of 1 rows" in t for t in turns), turns
+    assert harness.engine.scheduler.stats()["slow_turns"] >= len(turns)
 
 
 def test_mixed_batch_matches_oracle(harness):

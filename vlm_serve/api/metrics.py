@@ -134,6 +134,9 @@ class _EngineCollector:
              "room", "prefix_cache_evictions"),
             (CounterMetricFamily, "vlm_prefills", "Prompts prefilled (the n copies of one "
              "prompt count once)", "prefills"),
+            (CounterMetricFamily, "vlm_slow_turns", "Scheduler turns that held the running "
+             "streams up for over 250 ms (each logged with its parts, at most one a second)",
+             "slow_turns"),
             (CounterMetricFamily, "vlm_vision_cache_hits", "Requests whose image features came "
              "from the vision cache", "vision_cache_hits"),
             (GaugeMetricFamily, "vlm_vision_cache_entries", "Image sets whose vision features "

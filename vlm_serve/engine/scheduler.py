@@ -40,7 +40,9 @@ from .types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
 log = logging.getLogger("vlm_serve.engine")
 
 # A turn longer than this (seconds) is logged with its parts: running streams stalled.
+# At most one such line a SLOW_TURN_LOG_S, counting the slow turns it did not show.
 SLOW_TURN_S = 0.25
+SLOW_TURN_LOG_S = 1.0
 
 Publish = Callable[[list[GenerationEvent]], None]
 
@@ -164,6 +166,8 @@ class Scheduler:
         self.memory_waits = 0  # requests that waited for KV memory to be admitted
         self.shared_prefill_rows = 0  # prompt passes run as rows of a shared pass
         self.shared_tower_requests = 0  # requests whose images ran in a shared tower call
+        self.slow_turns = 0  # turns that held running streams up over SLOW_TURN_S
+        self._slow_turn_logged = float("-inf")
 
     def _budget(self, model, family: Family, config: SchedulerConfig) -> KVBudget:
         layout = KVLayout.probe(model.language_model)
@@ -193,6 +197,7 @@ class Scheduler:
             "kv_memory_limit": self.memory.limit,
             "kv_memory_waits": self.memory_waits,
             "prefills": self.prefills,
+            "slow_turns": self.slow_turns,
             # Running totals for /metrics: prompt tokens looked up in the prefix cache
             # and those whose KV came from it, and image sets whose vision features came
             # from the vision cache.
@@ -316,14 +321,20 @@ class Scheduler:
         now = time.perf_counter()
         if now - started < SLOW_TURN_S:
             return
+        self.slow_turns += 1
+        if now - self._slow_turn_logged < SLOW_TURN_LOG_S:
+            return
         store = self.batch.store
         log.info(
             "slow turn: %.0f ms (admission and prefill of %d tokens in %d steps %.0f ms, "
-            "%d rows joining %.0f ms, decode of %d rows in %d slots %.0f ms)",
+            "%d rows joining %.0f ms, decode of %d rows in %d slots %.0f ms); %d slow turns "
+            "in all",
             1000 * (now - started), tokens, passes, 1000 * (prefilled - started), joined,
             1000 * (joined_at - prefilled), len(self.running),
             store.slots if store is not None else len(self.running), 1000 * (now - joined_at),
+            self.slow_turns,
         )
+        self._slow_turn_logged = now
 
     def _take_inputs(self, idle: bool) -> None:
         """Everything from outside this turn acts on: new requests, cancellations and
