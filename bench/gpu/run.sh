@@ -8,8 +8,8 @@
 # vllm-mlx 0.6's continuous-batching server); SWEEP and PER_LEVEL set the concurrency
 # levels and requests per unit of concurrency; LOAD=text sends ~256-token text chats
 # instead of the image requests. PROFILE=1 samples vlm-serve's threads with py-spy
-# while it serves (PROFILE=native adds C++ frames; needs py-spy, e.g. EXTRA_WHEELS=py-spy
-# for the device's prepare.sh) and summarizes them (bench/pyspy_summary.py); the server
+# while it serves (PROFILE=native adds C++ frames; needs py-spy: pip install it, offline
+# from wheels brought along) and summarizes them (bench/pyspy_summary.py); the server
 # log lists every scheduler turn over 250 ms with its parts.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -58,7 +58,8 @@ sweep() {  # label base_url
 
 profile_start() {  # pid label: sample the server's threads until profile_stop
   spy=
-  [ "${PROFILE:-0}" != 0 ] && command -v py-spy > /dev/null || return 0
+  [ "${PROFILE:-0}" != 0 ] || return 0
+  command -v py-spy > /dev/null || { echo "PROFILE: py-spy is not installed; not profiling"; return 0; }
   py-spy record --pid "$1" --rate 200 --threads --idle --nonblocking --format raw \
       $([ "$PROFILE" = native ] && echo --native) -o "$OUT/$2.pyspy.txt" > "$OUT/$2.pyspy.log" 2>&1 &
   spy=$!
