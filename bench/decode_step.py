@@ -23,7 +23,7 @@ from mlx_vlm import load
 sys.path.insert(0, os.path.dirname(__file__))
 from step_breakdown import build_engine_batch, id_limit, plain_step, time_steps  # noqa: E402
 
-from vlm_serve.engine.decode.attention import mlx_attend  # noqa: E402
+from vlm_serve.engine.decode.attention import masked_span, mlx_attend  # noqa: E402
 from vlm_serve.engine.families import family_for  # noqa: E402
 from vlm_serve.engine.prefill import Prefill  # noqa: E402
 from vlm_serve.engine.types import PreparedRequest, SamplingParams  # noqa: E402
@@ -103,16 +103,11 @@ def _alone_model_code(model, prompts, steps) -> list[list[int]]:
     return alone
 
 
-def _visible_keys(keys, values, mask):
-    span = mask.shape[-1]
-    return keys[:, :, :span], values[:, :, :span], mask
-
-
 def grouped_attend(q, keys, values, scale, mask):
     """The engine step's earlier attention: a key/value head's query heads as the rows
     of one matmul (no broadcast of the keys), an additive mask. It rounds differently
     from MLX's own attention on CUDA (see bench/results/gpu-h100-burst)."""
-    keys, values, mask = _visible_keys(keys, values, mask)
+    keys, values = masked_span(keys, values, mask)
     slots, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     q = (q * scale).reshape(slots, kv_heads, heads // kv_heads, dim)
@@ -125,7 +120,7 @@ def per_head_attend(q, keys, values, scale, mask):
     """One query row per matmul, as MLX's own composition has it, but each query head of
     a group against its key/value head in a matmul of its own instead of broadcasting
     the keys to every query head: more matmuls, no copies of the keys."""
-    keys, values, mask = _visible_keys(keys, values, mask)
+    keys, values = masked_span(keys, values, mask)
     slots, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads

@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..engine.scheduler import SLOW_TURN_LOG_S, SLOW_TURN_S
 from ..engine.types import GenerationEvent
 from ..lru import SizedLRU
 
@@ -135,8 +136,8 @@ class _EngineCollector:
             (CounterMetricFamily, "vlm_prefills", "Prompts prefilled (the n copies of one "
              "prompt count once)", "prefills"),
             (CounterMetricFamily, "vlm_slow_turns", "Scheduler turns that held the running "
-             "streams up for over 250 ms (each logged with its parts, at most one a second)",
-             "slow_turns"),
+             f"streams up for over {SLOW_TURN_S * 1000:g} ms (logged with their parts, at most "
+             f"one every {SLOW_TURN_LOG_S:g} s)", "slow_turns"),
             (CounterMetricFamily, "vlm_vision_cache_hits", "Requests whose image features came "
              "from the vision cache", "vision_cache_hits"),
             (GaugeMetricFamily, "vlm_vision_cache_entries", "Image sets whose vision features "

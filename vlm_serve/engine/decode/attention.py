@@ -46,8 +46,14 @@ def mlx_attend(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                mask: mx.array) -> mx.array:
     """``attend`` through MLX's own attention, on every backend, with a mask."""
     slots, heads, _, dim = q.shape
-    span = mask.shape[-1]
-    if span < keys.shape[2]:
-        keys, values = keys[:, :, :span], values[:, :, :span]
+    keys, values = masked_span(keys, values, mask)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return out.reshape(slots, heads * dim)
+
+
+def masked_span(keys: mx.array, values: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+    """A layer's keys/values cut to the columns ``mask`` spans (the step's span)."""
+    span = mask.shape[-1]
+    if span < keys.shape[2]:
+        return keys[:, :, :span], values[:, :, :span]
+    return keys, values
