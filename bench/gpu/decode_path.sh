@@ -12,13 +12,16 @@
 #   servers    closed-loop ~256-token text chats: the plain forward's rates (envelope),
 #              vlm-serve and vllm-mlx at concurrency $SWEEP (bench/gpu/run.sh, LOAD=text)
 #   multiturn  multi-turn image chat: each turn's TTFT split into its stages
+#   wave       a burst of 64 ~256-token text prompts, engine only: where the first wave's
+#              turns go (bench/prefill_wave.py, with and without waiting after each stage;
+#              PROFILE=1 or native samples the unsynchronized run with py-spy)
 # Everything writes under $OUT; PARTS picks what runs (each part takes minutes: split
 # long runs into several invocations on the same machine), e.g.
 #   OUT=DIR PARTS="check steps burst" bash bench/gpu/decode_path.sh
 #   OUT=DIR PARTS="servers multiturn" bash bench/gpu/decode_path.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-path}
-PARTS=${PARTS:-kernels check steps burst servers multiturn}
+PARTS=${PARTS:-kernels check steps burst servers multiturn wave}
 MODEL=/tmp/vlm-bench-gemma3-4b
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
@@ -62,4 +65,15 @@ fi
 if has multiturn; then
   python3 bench/multiturn_breakdown.py --model "$MODEL" --image-size 896 --turns 3 --conversations 2 \
       --max-tokens 16 --result-json "$OUT/multiturn-breakdown.json" | tail -8
+fi
+if has wave; then
+  wave="bench/prefill_wave.py --model $MODEL --requests 64 --prompt-tokens 256"
+  python3 $wave --sync --result-json "$OUT/wave-sync.json" | tail -30
+  if [ "${PROFILE:-0}" != 0 ] && command -v py-spy > /dev/null; then
+    py-spy record --rate 200 --threads --idle --format raw $([ "$PROFILE" = native ] && echo --native) \
+        -o "$OUT/wave.pyspy.txt" -- python3 $wave --result-json "$OUT/wave.json" | tail -30
+    python3 bench/pyspy_summary.py "$OUT/wave.pyspy.txt" --top 40 --thread mlx-worker | tee "$OUT/wave.pyspy-summary.txt"
+  else
+    python3 $wave --result-json "$OUT/wave.json" | tail -30
+  fi
 fi

@@ -1,0 +1,153 @@
+"""Where the first wave of a text burst spends its time, engine only (no HTTP).
+
+N text requests of ~P prompt tokens each (every prompt a little different in length, as
+real ones are) arrive at once; the engine prefills them within its token budget between
+decode steps. This times each stage of the worker's turns until every request has its
+first token: embedding and prefix lookup, prefill passes (chunks and last tokens), rows
+joining (sampling the first token, the prefix cache's copy), the store's join, decode
+steps. ``--sync`` waits for the device after every stage, so each stage carries its own
+device time (slower overall, but attributable); without it a stage's device work shows up
+wherever the worker next waits.
+
+    python bench/prefill_wave.py --model DIR --requests 64 --prompt-tokens 256 [--sync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+import numpy as np
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place "
+         "work week case point number group problem fact").split()
+
+# (class path, method, stage name); the name may depend on the call (see ``stage_of``).
+TIMED = [
+    ("vlm_serve.engine.prefill.Prefill", "step", None),
+    ("vlm_serve.engine.prefill_batch.PrefillGroup", "step", "shared prefill"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_join", "join: first token"),
+    ("vlm_serve.engine.prefix_cache.PrefixCache", "store", "prefix cache: store"),
+    ("vlm_serve.engine.prefix_cache.PrefixCache", "lookup", "prefix cache: lookup"),
+    ("vlm_serve.engine.batch.Batch", "add", "batch: add rows"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_decode_step", "decode step"),
+]
+
+
+def stage_of(name, obj) -> str:
+    """A single prompt's step is one of: start (embed, lookup), a chunk, the last token."""
+    if name:
+        return name
+    if obj.embeds is None and not obj.done:
+        return "prefill: start"
+    n, last = obj.next_chunk()
+    return "prefill: last pass" if last else "prefill: chunk"
+
+
+def instrument(totals: dict, counts: dict, sync: bool) -> None:
+    import importlib
+
+    depth = [0]
+    for path, method, name in TIMED:
+        module, cls = path.rsplit(".", 1)
+        klass = getattr(importlib.import_module(module), cls)
+        original = getattr(klass, method)
+
+        def timed(self, *a, _original=original, _name=name, **k):
+            if depth[0]:  # time only the outermost stage
+                return _original(self, *a, **k)
+            stage = stage_of(_name, self)
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return _original(self, *a, **k)
+            finally:
+                if sync:
+                    mx.synchronize()
+                totals[stage] += time.perf_counter() - t
+                counts[stage] += 1
+                depth[0] -= 1
+
+        setattr(klass, method, timed)
+
+
+def prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(tokens * rng.uniform(0.8, 1.2))
+        words = rng.choice(WORDS, size=length)
+        out.append(f"Request {i:04d}: " + " ".join(words))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--sync", action="store_true", help="wait for the device after each stage")
+    p.add_argument("--result-json")
+    args = p.parse_args()
+
+    from vlm_serve.engine.engine import Engine
+    from vlm_serve.engine.scheduler import SchedulerConfig
+    from vlm_serve.engine.types import SamplingParams
+    from vlm_serve.preprocess.media import MediaPolicy
+    from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+    totals: dict = defaultdict(float)
+    counts: dict = defaultdict(int)
+    engine = Engine(args.model, SchedulerConfig(max_num_seqs=args.requests))
+    engine.start()
+    loaded = engine.loaded
+    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def prepared(texts, tag):
+        return [prepare_prompt(ctx, f"{tag}{i}", render_chat(ctx, [{"role": "user", "content": t}]),
+                               params, []) for i, t in enumerate(texts)]
+
+    async def wave(batch):
+        start = time.perf_counter()
+
+        async def one(request):
+            first, n = None, 0
+            async for event in engine.submit(request):
+                if first is None and event.token_ids:
+                    first = time.perf_counter() - start
+                n += len(event.token_ids)
+            return first, n
+
+        return await asyncio.gather(*(one(r) for r in batch)), time.perf_counter() - start
+
+    tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
+    asyncio.run(wave(prepared(prompts(tok, 8, args.prompt_tokens, 1), "w")))  # warm-up
+    instrument(totals, counts, args.sync)
+    batch = prepared(prompts(tok, args.requests, args.prompt_tokens, 0), "r")
+    results, wall = asyncio.run(wave(batch))
+    engine.shutdown()
+    ttfts = [r[0] for r in results]
+    lengths = [len(r.input_ids) for r in batch]
+    result = {
+        "requests": args.requests, "prompt_tokens_mean": float(np.mean(lengths)),
+        "distinct_lengths": len(set(lengths)), "sync": args.sync,
+        "wall_s": round(wall, 3), "ttft_mean_s": round(float(np.mean(ttfts)), 3),
+        "ttft_max_s": round(float(np.max(ttfts)), 3),
+        "stages_ms": {k: round(1000 * v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+        "calls": dict(counts),
+        "ms_per_call": {k: round(1000 * totals[k] / counts[k], 2) for k in counts},
+    }
+    print(json.dumps(result, indent=2))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
