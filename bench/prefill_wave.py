@@ -90,7 +90,8 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--sync", action="store_true", help="wait for the device after each stage")
     p.add_argument("--result-json")
     args = p.parse_args()
@@ -103,7 +104,8 @@ def main() -> None:
 
     totals: dict = defaultdict(float)
     counts: dict = defaultdict(int)
-    engine = Engine(args.model, SchedulerConfig(max_num_seqs=args.requests))
+    engine = Engine(args.model, SchedulerConfig(max_num_seqs=args.requests,
+                                                prefill_step_size=args.prefill_step_size))
     engine.start()
     loaded = engine.loaded
     ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
@@ -117,12 +119,10 @@ def main() -> None:
         start = time.perf_counter()
 
         async def one(request):
-            first, n = None, 0
+            times = []  # when each token arrived
             async for event in engine.submit(request):
-                if first is None and event.token_ids:
-                    first = time.perf_counter() - start
-                n += len(event.token_ids)
-            return first, n
+                times += [time.perf_counter() - start] * len(event.token_ids)
+            return times
 
         return await asyncio.gather(*(one(r) for r in batch)), time.perf_counter() - start
 
@@ -133,12 +133,17 @@ def main() -> None:
     results, wall = asyncio.run(wave(batch))
     engine.shutdown()
     ttfts = [r[0] for r in results]
+    # Steady decode: every row's tokens between the last first token and the first finish.
+    begin, end = max(ttfts), min(r[-1] for r in results)
+    steady = sum(begin < t <= end for r in results for t in r) / (end - begin) if end > begin else None
     lengths = [len(r.input_ids) for r in batch]
     result = {
         "requests": args.requests, "prompt_tokens_mean": float(np.mean(lengths)),
         "distinct_lengths": len(set(lengths)), "sync": args.sync,
+        "prefill_step_size": args.prefill_step_size,
         "wall_s": round(wall, 3), "ttft_mean_s": round(float(np.mean(ttfts)), 3),
         "ttft_max_s": round(float(np.max(ttfts)), 3),
+        "steady_tok_s": round(steady, 1) if steady else None,
         "stages_ms": {k: round(1000 * v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
         "calls": dict(counts),
         "ms_per_call": {k: round(1000 * totals[k] / counts[k], 2) for k in counts},

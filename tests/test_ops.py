@@ -89,17 +89,18 @@ def test_version_prints_the_versions_and_exits_0():
     assert f"mlx {version('mlx')}" in line and f"mlx-vlm {version('mlx-vlm')}" in line
 
 
+@pytest.mark.parametrize("name", ["MLX_ENABLE_CACHE_THRASHING_CHECK", "MLX_USE_CUDA_GRAPHS"])
 @pytest.mark.parametrize("preset,expected", [(None, "0"), ("1", "1")])
-def test_importing_vlm_serve_turns_off_mlx_cache_thrashing_errors_unless_set(preset, expected):
+def test_importing_vlm_serve_sets_mlx_serving_defaults_unless_set(name, preset, expected):
     """MLX's CUDA caches raise on every miss once a long-running process has missed more
-    than twice their capacity; vlm-serve turns that check off before MLX builds them,
-    and keeps an operator's own value."""
-    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
+    than twice their capacity, and CUDA graphs cost more than they save when prompt
+    shapes keep changing: vlm-serve turns both off before MLX reads them, and keeps an
+    operator's own value."""
+    env = {k: v for k, v in os.environ.items() if k != name}
     if preset is not None:
-        env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = preset
+        env[name] = preset
     out = subprocess.run(
-        [sys.executable, "-c",
-         "import vlm_serve, os; print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'])"],
+        [sys.executable, "-c", f"import vlm_serve, os; print(os.environ['{name}'])"],
         env=env, capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip() == expected

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="max_tokens when a request does not set it")
     g.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
-                   help="prompt tokens per prefill chunk, interleaved with decode steps")
+                   help="prompt tokens per prefill pass, interleaved with decode steps; "
+                        "default 2048 on a GPU, 512 on the CPU")
     g.add_argument("--prefill-token-budget", type=int, default=None,
                    help="prompt tokens prefilled between two decode steps (higher: bursts of "
                         "new requests start sooner; lower: smoother running streams); "

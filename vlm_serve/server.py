@@ -60,6 +60,15 @@ def default_prefill_budget() -> int:
     return 2048 if on_gpu() else 512
 
 
+def default_prefill_step() -> int:
+    """Prompt tokens per prefill pass. On a GPU a pass costs the host about the same
+    whatever its length (each of its ~3,000 operations is launched one by one), so
+    fewer, longer passes start requests sooner: 2048, as mlx-vlm's own generate, and
+    one pass fills a turn's budget. The CPU is bound by the arithmetic: 512 keeps a
+    turn short."""
+    return 2048 if on_gpu() else 512
+
+
 def read_chat_template(config: ServerConfig) -> str | None:
     """The text of ``--chat-template``, read before the model loads so a bad path fails
     in one line."""
@@ -83,7 +92,7 @@ def build_engine(config: ServerConfig, parallel=None) -> Engine:
         resolve_model(config),
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            prefill_step_size=config.prefill_step_size,
+            prefill_step_size=config.prefill_step_size or default_prefill_step(),
             prefill_token_budget=config.prefill_token_budget or default_prefill_budget(),
             prefix_cache_entries=config.prefix_cache_size,
             prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)),

@@ -12,9 +12,9 @@
 #   servers    closed-loop ~256-token text chats: the plain forward's rates (envelope),
 #              vlm-serve and vllm-mlx at concurrency $SWEEP (bench/gpu/run.sh, LOAD=text)
 #   multiturn  multi-turn image chat: each turn's TTFT split into its stages
-#   wave       a burst of 64 ~256-token text prompts, engine only: where the first wave's
-#              turns go (bench/prefill_wave.py, with and without waiting after each stage;
-#              PROFILE=1 or native samples the unsynchronized run with py-spy)
+#   wave       a burst of 64 text prompts, engine only: where the first wave's turns go
+#              (bench/prefill_wave.py; WAVE_ENVS compares MLX settings, STEP sets the pass length, WAVE_SYNC=1 waits
+#              after each stage; PROFILE=1 or native adds a run under py-spy)
 # Everything writes under $OUT; PARTS picks what runs (each part takes minutes: split
 # long runs into several invocations on the same machine), e.g.
 #   OUT=DIR PARTS="check steps burst" bash bench/gpu/decode_path.sh
@@ -67,13 +67,23 @@ if has multiturn; then
       --max-tokens 16 --result-json "$OUT/multiturn-breakdown.json" | tail -8
 fi
 if has wave; then
-  wave="bench/prefill_wave.py --model $MODEL --requests 64 --prompt-tokens 256"
-  python3 $wave --sync --result-json "$OUT/wave-sync.json" | tail -30
+  # WAVE_ENVS: MLX settings to compare, one run each ("base": none), e.g.
+  # "base MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_USE_CUDA_GRAPHS=0". Kernels MLX compiles
+  # during a run (new modules in its PTX cache) are listed in wave-*.jit.txt.
+  wave="bench/prefill_wave.py --model $MODEL --requests 64 --prompt-tokens 256 --prefill-step-size ${STEP:-512}"
+  ptx=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}; export MLX_PTX_CACHE_DIR=$ptx; mkdir -p "$ptx"
+  for setting in ${WAVE_ENVS:-base}; do
+    name=${setting//[^A-Za-z0-9]/_}
+    touch "$OUT/.mark"
+    env $([ "$setting" = base ] || echo "$setting") python3 $wave ${WAVE_SYNC:+--sync} \
+        --result-json "$OUT/wave-$name.json" | grep -E '"(wall_s|ttft_mean_s|ttft_max_s|steady_tok_s)"' \
+        | sed "s/^/$setting /"
+    find "$ptx" -name '*.ptx' -newer "$OUT/.mark" | sed 's|.*/||' > "$OUT/wave-$name.jit.txt"
+    echo "$setting: $(wc -l < "$OUT/wave-$name.jit.txt") kernels compiled"
+  done
   if [ "${PROFILE:-0}" != 0 ] && command -v py-spy > /dev/null; then
-    py-spy record --rate 200 --threads --idle --format raw $([ "$PROFILE" = native ] && echo --native) \
-        -o "$OUT/wave.pyspy.txt" -- python3 $wave --result-json "$OUT/wave.json" | tail -30
-    python3 bench/pyspy_summary.py "$OUT/wave.pyspy.txt" --top 40 --thread mlx-worker | tee "$OUT/wave.pyspy-summary.txt"
-  else
-    python3 $wave --result-json "$OUT/wave.json" | tail -30
+    py-spy record --rate 100 --threads --idle --format raw $([ "$PROFILE" = native ] && echo --native) \
+        -o "$OUT/wave.pyspy.txt" -- python3 $wave --result-json "$OUT/wave-profiled.json" > /dev/null
+    python3 bench/pyspy_summary.py "$OUT/wave.pyspy.txt" --top 40 --thread mlx-worker > "$OUT/wave.pyspy-summary.txt"
   fi
 fi
