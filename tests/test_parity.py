@@ -316,6 +316,22 @@ def test_an_identical_prompt_reuses_all_but_its_last_token(harness):
     assert result["tokens"] == _oracle_from_ids(harness, ids, 6)
 
 
+def test_a_retried_turn_two_still_reuses_all_but_its_last_token(harness):
+    """Turn 2 goes on from turn 1's cached prefix in as few passes as it can, yet keeps
+    what a retry of it needs past the sliding window: the retry prefills only its last
+    token and gives the oracle's tokens."""
+    tokenizer = harness.ctx.processor.tokenizer
+    first = tokenizer.encode(chat_prompt(harness.ctx, Case("t", LONG_TEXT[:300])), add_special_tokens=False)
+    second = first + tokenizer.encode(" Go on, and tell me what came next.", add_special_tokens=False)
+    cache = harness.engine.scheduler.prefix_cache
+    run_jobs(harness.engine, [(_prepared_from_ids(harness, "turn-1", first, 4), None, None)])
+    run_jobs(harness.engine, [(_prepared_from_ids(harness, "turn-2", second, 4), None, None)])
+    before = cache.reused_tokens
+    result = run_jobs(harness.engine, [(_prepared_from_ids(harness, "retry", second, 6), None, None)])["retry"]
+    assert cache.reused_tokens - before == len(second) - 1
+    assert result["tokens"] == _oracle_from_ids(harness, second, 6)
+
+
 def test_same_tokens_with_another_image_never_reuse_the_image(harness):
     """Same text, different images: identical image-placeholder token ids must not share
     KV past the first placeholder (the text before it, which cannot see the image, may)."""

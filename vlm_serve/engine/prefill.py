@@ -6,7 +6,8 @@ token alone gives the logits of the first sampled token. Only last-position logi
 ever computed. The scheduler runs chunks up to a token budget between decode steps, so
 running streams keep flowing while a long prompt is prefilled. A prompt may start from
 the prefix cache (keyed by its tokens and, where it has images, their digests) and
-prefill only what the cache does not hold.
+prefill only what the cache does not hold, then in one pass where it can
+(``_rest_in_one_pass``).
 """
 
 from __future__ import annotations
@@ -120,9 +121,21 @@ class Prefill:
         """The next pass over the prompt, as the single path would run it: how many
         tokens, and whether it is the last (the one whose logits are kept)."""
         remaining = self.embeds.shape[1]
-        if self.chunked and remaining > 1:
+        if self.chunked and remaining > 1 and not self._rest_in_one_pass(remaining):
             return min(self.step_size, remaining - 1), False
         return remaining, True
+
+    def _rest_in_one_pass(self, remaining: int) -> bool:
+        """A prompt that continues a cached prefix goes on in one pass where it fits one
+        and no window rotates on the way: the cached prefix already parts from how the
+        single path would chunk the prompt (turn 2 of a chat after turn 1's passes), so
+        splitting off the last token again buys nothing, and every pass costs the host
+        the same on a GPU."""
+        if not self.reused or remaining > self.step_size:
+            return False
+        return not any(
+            getattr(c, "max_size", None) and c.offset + remaining >= c.max_size for c in self.cache
+        )
 
     def chunk_inputs(self, n: int) -> tuple[mx.array, mx.array, dict]:
         """Token ids, embeddings and language-model arguments of the next ``n`` tokens."""
