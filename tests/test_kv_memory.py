@@ -261,3 +261,38 @@ def test_prefix_cache_evicts_the_least_recently_used_entry():
     assert len(prefixes) == 2
     prefixes.evict_to(prefixes.nbytes // 2)
     assert len(prefixes) == 1 and prefixes.lookup([1, 2, 3, 0])[1] == 3 and prefixes.evictions == 2
+
+
+def test_prefix_cache_picks_the_entry_mlx_lm_would_pick():
+    """The lookup reuses as many tokens as mlx-lm's own ``fetch_nearest_cache`` on the
+    same entries (the same prompt, a longer one trimmed back, or the longest stored
+    prefix), for random prompts that share prefixes of every length."""
+    import random
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, LRUPromptCache
+
+    from vlm_serve.engine.prefix_cache import PrefixCache
+
+    def cache(n: int) -> list:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, n, 2)), mx.zeros((1, 1, n, 2)))
+        return [c]
+
+    rng = random.Random(3)
+    for _ in range(20):
+        base = [rng.randrange(5) for _ in range(12)]
+        stored = [base[: rng.randrange(1, 12)] + [rng.randrange(5) for _ in range(rng.randrange(4))]
+                  for _ in range(4)]
+        ours, theirs = PrefixCache(16, 1 << 30), LRUPromptCache(max_size=16)
+        for tokens in stored:
+            ours.store(tokens, cache(len(tokens)))
+            theirs.insert_cache("m", list(tokens), cache(len(tokens)))
+        for _ in range(10):
+            query = base[: rng.randrange(1, 13)] + [rng.randrange(5) for _ in range(rng.randrange(3))]
+            found, rest = theirs.fetch_nearest_cache("m", query)
+            expected = 0 if found is None else min(len(query) - len(rest), len(query) - 1)
+            got_cache, got = ours.lookup(query)
+            assert got == expected, (stored, query)
+            if got:
+                assert got_cache[0].offset == got

@@ -16,6 +16,7 @@ moves its entry to the back (a shared system prompt stays while it is in use).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Callable
 
@@ -60,21 +61,46 @@ class PrefixCache:
         """A copy of the cache of the longest stored prefix of ``tokens`` and its length.
         At least one token is always left to prefill (it gives the first logits)."""
         self.queried_tokens += len(tokens)
-        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, tokens)
-        if cache is None:
+        key, reused = self._nearest(tokens)
+        if key is None:
             return None, 0
-        self._touch(tokens)
-        reused = len(tokens) - len(rest)
-        if reused == len(tokens):
+        entry = self._lru._trie.get(_MODEL_KEY, key)
+        cache = copy.deepcopy(entry.prompt_cache)
+        reused = min(reused, len(tokens) - 1)  # the last token gives the first logits
+        if reused < len(key):
             if not can_trim_prompt_cache(cache):
                 return None, 0
-            trim_prompt_cache(cache, 1)
-            reused -= 1
+            trim_prompt_cache(cache, len(key) - reused)
         if reused <= 0:
             return None, 0
+        # Used now: the entry goes to the back of the eviction order.
+        self._lru._lru.remove(_MODEL_KEY, key)
+        self._lru._lru.push(_MODEL_KEY, key)
         _compact(cache)
         self.reused_tokens += reused
         return cache, reused
+
+    def _nearest(self, tokens: list[int]) -> tuple[list[int] | None, int]:
+        """The stored prompt to start ``tokens`` from, and how many of its tokens they
+        share; mlx-lm's ``fetch_nearest_cache`` choice: the same prompt, else the stored
+        prompt sharing the most that can be trimmed back to what it shares (the
+        shortest such), else the longest stored prefix. Its trie search walks every
+        longer entry copying paths (quadratic in the prompt length: 9% of the worker at
+        64 concurrent ~800-token prompts); with at most ``max_entries`` entries, one
+        comparison per entry is cheap."""
+        keys = [k for lru in self._lru._lru._lrus.values() for _, k in lru]
+        shared = [(_common_prefix(k, tokens), k) for k in keys]
+        exact = next((k for n, k in shared if n == len(k) == len(tokens)), None)
+        if exact is not None:
+            return exact, len(exact)
+        prefixes = [k for n, k in shared if n == len(k)]
+        shorter = max(prefixes, key=len) if prefixes else None
+        most = max((n for n, _ in shared), default=0)
+        if most > (len(shorter) if shorter else 0):
+            longer = min((k for n, k in shared if n == most and len(k) > n), key=len, default=None)
+            if longer is not None and can_trim_prompt_cache(self._lru._trie.get(_MODEL_KEY, longer).prompt_cache):
+                return longer, most
+        return (shorter, len(shorter)) if shorter else (None, 0)
 
     def store(self, tokens: list[int], cache: list) -> None:
         """Keep ``cache`` (which holds exactly ``tokens``); the caller must not update it
@@ -86,25 +112,6 @@ class PrefixCache:
             return
         self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
         self.evict_to(room)
-
-    def _touch(self, tokens: list[int]) -> None:
-        """Make the entry that ``fetch_nearest_cache`` just used the most recently used
-        (the same choice of entry as it makes; mlx-lm internals, so never fatal)."""
-        try:
-            found = self._lru._trie.search(_MODEL_KEY, tokens)
-            key = found.exact
-            short = len(found.shorter) if found.shorter is not None else 0
-            if key is None and found.longer is not None and found.common_prefix > short:
-                entry = self._lru._trie.get(_MODEL_KEY, found.longer)
-                if can_trim_prompt_cache(entry.prompt_cache):
-                    key = found.longer
-            if key is None:
-                key = found.shorter
-            if key:
-                self._lru._lru.remove(_MODEL_KEY, key)
-                self._lru._lru.push(_MODEL_KEY, key)
-        except Exception:  # noqa: BLE001 - only the eviction order is at stake
-            pass
 
     def evict_to(self, max_bytes: int) -> None:
         """Evict the least recently stored entries until the cache holds at most
@@ -127,3 +134,16 @@ def _compact(cache: list) -> None:
         ):
             c.keys = mx.contiguous(keys[..., : c.offset, :])
             c.values = mx.contiguous(c.values[..., : c.offset, :])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (bisection on list slices, which
+    compare in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
