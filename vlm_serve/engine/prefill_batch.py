@@ -122,22 +122,35 @@ class PrefillGroup:
 
     def step(self) -> int:
         """One shared pass (the first call: ``start``). Members whose next pass differs
-        from the first member's go on alone. Returns the pass's cost in prompt tokens:
-        0 when the group has dissolved instead (its members then step alone)."""
+        from the one most of them run next go on alone. Returns the pass's cost in
+        prompt tokens: 0 when the group has dissolved instead (its members then step
+        alone)."""
         self.shared_rows = self.shared_towers = 0
         if not any(m.started for m in self.members):
             return self.start()
-        plan = self.members[0].next_chunk()
-        signature = self._signature(self.members[0], plan)
-        together = [] if signature is None or not self.splittable else [
-            m for m in self.members
-            if m.next_chunk() == plan and self._signature(m, plan) == signature
-        ]
+        together = self._largest_same_pass() if self.splittable else []
         if len(together) < 2:
             self._leave(list(self.members))
             return 0
         self._leave([m for m in self.members if m not in together])
+        plan = together[0].next_chunk()
         return self._pass(plan, [m.chunk_inputs(plan[0]) for m in self.members])
+
+    def _largest_same_pass(self) -> list[Prefill]:
+        """The most members whose next passes are the very same (tokens, whether it is
+        the last, argument shapes); on a tie, the set holding the earliest member."""
+        sets: list[tuple[tuple, list[Prefill]]] = []
+        for member in self.members:
+            plan = member.next_chunk()
+            key = (plan, self._signature(member, plan))
+            if key[1] is None:
+                continue
+            found = next((same for k, same in sets if k == key), None)
+            if found is None:
+                sets.append((key, [member]))
+            else:
+                found.append(member)
+        return max((same for _, same in sets), key=len, default=[])
 
     def _signature(self, member: Prefill, plan: tuple[int, bool]) -> tuple | None:
         return self.family.batch_signature(member.chunk_inputs(plan[0])[2])

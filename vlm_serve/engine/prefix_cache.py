@@ -124,16 +124,23 @@ class PrefixCache:
 def _compact(cache: list) -> None:
     """A cache trimmed down from a longer prompt still holds that prompt's buffers:
     keep only what is used, so the new prompt's cache is the size of its own (a step
-    of slack is what the cache would allocate anyway)."""
+    of slack is what the cache would allocate anyway). A window that has not wrapped
+    yet is cut to what it holds too: prompts that start from the same prefix then have
+    caches of one shape, whichever stored prompt they came from, and share their
+    prefill passes."""
     for c in cache:
         keys = getattr(c, "keys", None)
-        if (
-            isinstance(keys, mx.array) and getattr(c, "max_size", None) is None
-            and isinstance(getattr(c, "offset", None), int)
-            and keys.shape[2] - c.offset >= getattr(c, "step", 256)
-        ):
-            c.keys = mx.contiguous(keys[..., : c.offset, :])
-            c.values = mx.contiguous(c.values[..., : c.offset, :])
+        offset = getattr(c, "offset", None)
+        if not isinstance(keys, mx.array) or not isinstance(offset, int):
+            continue
+        window = getattr(c, "max_size", None)
+        if window is None:
+            cut = keys.shape[2] - offset >= getattr(c, "step", 256)
+        else:
+            cut = offset < window and getattr(c, "_idx", None) == offset and keys.shape[2] > offset
+        if cut:
+            c.keys = mx.contiguous(keys[..., :offset, :])
+            c.values = mx.contiguous(c.values[..., :offset, :])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
