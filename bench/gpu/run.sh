@@ -6,10 +6,11 @@
 #   bash bench/gpu/run.sh [preset]        (default gemma3-4b)
 # SERVERS picks the columns (default "envelope vlm-serve mlx-vlm"; "vllm-mlx" adds
 # vllm-mlx 0.6's continuous-batching server); SWEEP and PER_LEVEL set the concurrency
-# levels and requests per unit of concurrency; LOAD=text sends ~256-token text chats
-# instead of the image requests. PROFILE=1 samples vlm-serve's threads with py-spy
-# while it serves (PROFILE=native adds C++ frames; needs py-spy: pip install it, offline
-# from wheels brought along) and summarizes them (bench/pyspy_summary.py); the server
+# levels and requests per unit of concurrency; LOAD=text sends text chats of TEXT_WORDS
+# words (default 256; the tiny-vocabulary fixture tokenizer makes ~2.7 tokens of a word,
+# so TEXT_WORDS=95 gives ~256 prompt tokens) instead of the image requests. PROFILE=1
+# samples vlm-serve's threads with py-spy while it serves (PROFILE=native adds C++
+# frames; needs py-spy: pip install it, offline from wheels brought along) and summarizes them (bench/pyspy_summary.py); the server
 # log lists every scheduler turn over 250 ms with its parts.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -21,7 +22,7 @@ MODEL=/tmp/vlm-bench-$PRESET
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 
-[ -f "$MODEL/config.json" ] || python3 -m vlm_serve.fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
+[ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
 
@@ -43,7 +44,7 @@ wait_up() {  # url pid: wait for the server to answer, or give up if it died
 }
 
 if [ "${LOAD:-image}" = text ]; then
-  REQUEST="--images-per-request 0 --prompt-tokens 256"
+  REQUEST="--images-per-request 0 --prompt-tokens ${TEXT_WORDS:-256}"
 else
   REQUEST="--image-size 896x896 --images-per-request 1 --prompt-tokens 64"
 fi
