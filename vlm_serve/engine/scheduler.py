@@ -17,6 +17,7 @@ its own first token from those logits and joins the batch as a row of its own.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections import deque
@@ -39,8 +40,9 @@ from .types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
 
 log = logging.getLogger("vlm_serve.engine")
 
-# Most times the prefill budget a turn may take while a burst waits (_prefill_budget).
-PREFILL_CATCH_UP = 8
+# Most times the prefill budget a turn may take while a burst waits (_prefill_budget;
+# VLM_SERVE_PREFILL_CATCH_UP=1 keeps every turn to the budget).
+PREFILL_CATCH_UP = int(os.environ.get("VLM_SERVE_PREFILL_CATCH_UP", "8"))
 # A turn longer than this (seconds) is logged with its parts: running streams stalled.
 # At most one such line a SLOW_TURN_LOG_S, counting the slow turns it did not show.
 SLOW_TURN_S = 0.25
