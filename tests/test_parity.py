@@ -347,42 +347,6 @@ def test_same_tokens_with_another_image_never_reuse_the_image(harness):
         assert cache.reused_tokens - before <= first_image
 
 
-def test_a_burst_onto_few_streams_starts_in_fewer_turns(harness, monkeypatch):
-    """While prompts waiting for their first token outnumber the streams decoding, a
-    turn prefills several budgets' worth: the first turn of a burst that reaches the
-    worker beside one running stream starts more of it than one budget would, and
-    every prompt gives the oracle's tokens."""
-    from vlm_serve.engine import scheduler as scheduler_module
-
-    sched = harness.engine.scheduler
-
-    def burst(tag: str, start: int) -> int:
-        # Other words for each burst, so neither finds the other's prompts cached.
-        cases = [Case(f"{tag}-{i}", LONG_TEXT[start: start + 150 + 9 * i], max_tokens=12) for i in range(6)]
-        started = []  # burst rows decoding after the first turn that started any
-        turn = sched._turn
-
-        def counted_turn():
-            turn()
-            rows = sum(s.id.startswith(tag) for s in sched.running)
-            if rows and not started:
-                started.append(rows)
-
-        holder = harness.prepare(Case("hold", "Hi!", max_tokens=4), "hold")
-        jobs = [(harness.prepare(c, c.name), None, None) for c in cases]
-        with monkeypatch.context() as m:
-            m.setattr(sched, "_turn", counted_turn)
-            results = run_held(harness.engine, holder, jobs)
-        for case in cases:
-            assert results[case.name]["tokens"] == harness.oracle(case)
-        return started[0]
-
-    with monkeypatch.context() as m:
-        m.setattr(scheduler_module, "PREFILL_CATCH_UP", 1)
-        one_budget = burst("one", 0)
-    assert burst("catchup", 40) > one_budget
-
-
 # -- bursts: prompts that arrive together are prefilled together ----------------------
 
 

@@ -17,7 +17,6 @@ its own first token from those logits and joins the batch as a row of its own.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 from collections import deque
@@ -40,9 +39,6 @@ from .types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
 
 log = logging.getLogger("vlm_serve.engine")
 
-# Most times the prefill budget a turn may take while a burst waits (_prefill_budget;
-# VLM_SERVE_PREFILL_CATCH_UP=1 keeps every turn to the budget).
-PREFILL_CATCH_UP = int(os.environ.get("VLM_SERVE_PREFILL_CATCH_UP", "8"))
 # A turn longer than this (seconds) is logged with its parts: running streams stalled.
 # At most one such line a SLOW_TURN_LOG_S, counting the slow turns it did not show.
 SLOW_TURN_S = 0.25
@@ -303,8 +299,7 @@ class Scheduler:
         self._take_inputs(idle)
         started = time.perf_counter()
         self._admit()
-        allowed = budget = self._prefill_budget()
-        passes = 0
+        budget, passes = self.config.prefill_token_budget, 0
         while self.prefilling and budget > 0:
             budget -= self._prefill_step()
             passes += 1
@@ -317,18 +312,8 @@ class Scheduler:
         if self.running or self._inflight:
             self._decode_step()
         self._account()
-        tokens = allowed - budget
+        tokens = self.config.prefill_token_budget - budget
         self._note_slow_turn(started, prefilled, joined_at, tokens, passes, joined)
-
-    def _prefill_budget(self) -> int:
-        """Prompt tokens this turn may prefill: the configured budget, times how many
-        prompts wait for their first token per stream the turn holds up (at most
-        PREFILL_CATCH_UP times). A burst into a quiet server then starts in a few long
-        turns instead of many short ones, where its last request waited for all of them
-        (H100, 32 prompts at once: TTFT p99 4.3 s against a p50 of 0.7 s); a full batch
-        with a prompt or two arriving keeps the budget, and so its streams' pace."""
-        per_stream = len(self.prefilling) // max(1, len(self.running))
-        return self.config.prefill_token_budget * max(1, min(PREFILL_CATCH_UP, per_stream))
 
     def _note_slow_turn(self, started, prefilled, joined_at, tokens: int, passes: int,
                         joined: int) -> None:
