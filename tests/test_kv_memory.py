@@ -296,3 +296,27 @@ def test_prefix_cache_picks_the_entry_mlx_lm_would_pick():
             assert got == expected, (stored, query)
             if got:
                 assert got_cache[0].offset == got
+
+
+def test_prompts_reusing_one_prefix_get_caches_of_one_shape():
+    """Two prompts that share the same 10 cached tokens, found through different stored
+    prompts, get caches of the same shape (a sliding window that has not wrapped is cut
+    to what it holds), so their prefill passes can be shared."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from vlm_serve.engine.prefix_cache import PrefixCache
+
+    def window(n: int) -> list:
+        c = RotatingKVCache(max_size=32)
+        c.update_and_fetch(mx.zeros((1, 1, n, 2)), mx.zeros((1, 1, n, 2)))
+        return [c]
+
+    head = list(range(10))
+    prefixes = PrefixCache(16, 1 << 30)
+    prefixes.store(head + [50] * 10, window(20))
+    prefixes.store(head + [60] * 15, window(25))
+    first, n1 = prefixes.lookup(head + [50, 7, 7])
+    second, n2 = prefixes.lookup(head + [60, 8, 8, 8])
+    assert (n1, n2) == (11, 11)
+    assert first[0].keys.shape == second[0].keys.shape and first[0].offset == second[0].offset

@@ -422,6 +422,25 @@ def test_burst_prefilled_together_matches_each_alone(burst, kind):
         assert scheduler.shared_prefill_rows > rows  # passes really were shared
 
 
+def test_a_burst_led_by_a_long_prompt_still_shares_the_rest(burst):
+    """The first prompt of a burst needs passes of its own (it is longer); the two
+    after it are alike (same length) and share theirs, and each gives the oracle's
+    tokens."""
+    scheduler = burst.engine.scheduler
+    if not scheduler.family.batch_prefill:
+        pytest.skip("this family prefills text prompts one at a time")
+    tokenizer = burst.ctx.processor.tokenizer
+    long = tokenizer.encode(chat_prompt(burst.ctx, Case("l", LONG_TEXT)), add_special_tokens=False)
+    short = tokenizer.encode(chat_prompt(burst.ctx, Case("s", "Name a colour.")), add_special_tokens=False)
+    prompts = {"lead-long": long, "alike-a": short, "alike-b": short[:-2] + short[-1:] + short[-2:-1]}
+    rows = scheduler.shared_prefill_rows
+    results = run_burst(burst, [(_prepared_from_ids(burst, rid, ids, 6), None, None)
+                                for rid, ids in prompts.items()])
+    for rid, ids in prompts.items():
+        assert results[rid]["tokens"] == _oracle_from_ids(burst, ids, 6)
+    assert scheduler.shared_prefill_rows >= rows + 2
+
+
 def test_burst_shares_the_vision_tower_and_the_cache_still_serves(burst):
     """Same-sized images of a burst run through one tower call; resent, they come from
     the vision cache (no tower at all) and the tokens stay the oracle's."""
