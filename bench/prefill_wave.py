@@ -1,15 +1,16 @@
 """Where the first wave of a text burst spends its time, engine only (no HTTP).
 
-N text requests of ~P prompt tokens each (every prompt a little different in length, as
+N text requests of ~P prompt words each (every prompt a little different in length, as
 real ones are) arrive at once; the engine prefills them within its token budget between
-decode steps. This times each stage of the worker's turns until every request has its
-first token: embedding and prefix lookup, prefill passes (chunks and last tokens), rows
-joining (sampling the first token, the prefix cache's copy), the store's join, decode
-steps. ``--sync`` waits for the device after every stage, so each stage carries its own
-device time (slower overall, but attributable); without it a stage's device work shows up
-wherever the worker next waits.
+decode steps and decodes each to --max-tokens. This times each stage of the worker's
+turns: embedding and prefix lookup, prefill passes (chunks and last tokens), rows joining
+(sampling the first token), the prefix cache's copy, the store's join, decode steps; and
+reports the time to first token and the steady decode rate (every row's tokens between
+the last first token and the first finish). ``--sync`` waits for the device after every
+stage, so each stage carries its own device time (slower overall, but attributable);
+without it a stage's device work shows up wherever the worker next waits.
 
-    python bench/prefill_wave.py --model DIR --requests 64 --prompt-tokens 256 [--sync]
+    python bench/prefill_wave.py --model DIR --requests 64 --prompt-words 256 [--sync]
 """
 
 from __future__ import annotations
@@ -75,13 +76,12 @@ def instrument(totals: dict, counts: dict, sync: bool) -> None:
         setattr(klass, method, timed)
 
 
-def prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
+def prompts(n: int, words: int, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        length = int(tokens * rng.uniform(0.8, 1.2))
-        words = rng.choice(WORDS, size=length)
-        out.append(f"Request {i:04d}: " + " ".join(words))
+        length = int(words * rng.uniform(0.8, 1.2))
+        out.append(f"Request {i:04d}: " + " ".join(rng.choice(WORDS, size=length)))
     return out
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--prompt-words", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--sync", action="store_true", help="wait for the device after each stage")
@@ -126,10 +126,9 @@ def main() -> None:
 
         return await asyncio.gather(*(one(r) for r in batch)), time.perf_counter() - start
 
-    tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
-    asyncio.run(wave(prepared(prompts(tok, 8, args.prompt_tokens, 1), "w")))  # warm-up
+    asyncio.run(wave(prepared(prompts(8, args.prompt_words, 1), "w")))  # warm-up
     instrument(totals, counts, args.sync)
-    batch = prepared(prompts(tok, args.requests, args.prompt_tokens, 0), "r")
+    batch = prepared(prompts(args.requests, args.prompt_words, 0), "r")
     results, wall = asyncio.run(wave(batch))
     engine.shutdown()
     ttfts = [r[0] for r in results]

@@ -70,7 +70,7 @@ if has wave; then
   # WAVE_ENVS: MLX settings to compare, one run each ("base": none), e.g.
   # "base MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_USE_CUDA_GRAPHS=0". Kernels MLX compiles
   # during a run (new modules in its PTX cache) are listed in wave-*.jit.txt.
-  wave="bench/prefill_wave.py --model $MODEL --requests 64 --prompt-tokens 256 --prefill-step-size ${STEP:-512}"
+  wave="bench/prefill_wave.py --model $MODEL --requests 64 --prompt-words 256 --prefill-step-size ${STEP:-512}"
   ptx=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}; export MLX_PTX_CACHE_DIR=$ptx; mkdir -p "$ptx"
   for setting in ${WAVE_ENVS:-base}; do
     name=${setting//[^A-Za-z0-9]/_}
