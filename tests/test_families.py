@@ -308,7 +308,8 @@ def test_each_family_over_http_with_the_openai_client(arch, start_server):
 
 
 def test_warm_up_runs_text_and_image_before_ready(caplog):
-    """--warmup: both paths run once at startup, and the engine serves normally after."""
+    """--warmup: text, image, sampled and prefix-reusing requests run once at startup,
+    and the engine serves normally after."""
     import logging
 
     from vlm_serve.engine.scheduler import SchedulerConfig as Config
@@ -317,8 +318,9 @@ def test_warm_up_runs_text_and_image_before_ready(caplog):
     engine = Engine(str(cached_model("qwen2_5_vl")), Config(max_num_seqs=4), warm=True)
     engine.start()
     try:
-        assert any("warm-up: 2 request(s)" in r.getMessage() for r in caplog.records)
-        assert engine.scheduler.running == [] and engine.scheduler.peak_running == 2
+        assert any("warm-up: 4 request(s)" in r.getMessage() for r in caplog.records)
+        assert engine.scheduler.running == [] and engine.scheduler.peak_running == 3
+        assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
         ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
                             engine.loaded.chat_template)
         prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])
