@@ -9,12 +9,13 @@
 #   steps      decode step per batch size: plain forward, model code, engine step
 #              (compiled, op by op, and with MLX's, the grouped and the per-head attention)
 #   burst      64 image requests at once, engine only: vlm-serve vs mlx-vlm's batch_generate
-#   servers    closed-loop ~256-token text chats: the plain forward's rates (envelope),
+#   servers    closed-loop text chats (TEXT_WORDS): the plain forward's rates (envelope),
 #              vlm-serve and vllm-mlx at concurrency $SWEEP (bench/gpu/run.sh, LOAD=text)
 #   multiturn  multi-turn image chat: each turn's TTFT split into its stages
 #   wave       a burst of 64 text prompts, engine only: where the first wave's turns go
-#              (bench/prefill_wave.py; WAVE_ENVS compares MLX settings, STEP sets the pass length, WAVE_SYNC=1 waits
-#              after each stage; PROFILE=1 or native adds a run under py-spy)
+#              (bench/prefill_wave.py; WAVE_ENVS compares MLX settings, STEP sets the
+#              pass length, WAVE_SYNC=1 waits after each stage; PROFILE=1 or native
+#              adds a run under py-spy)
 # Everything writes under $OUT; PARTS picks what runs (each part takes minutes: split
 # long runs into several invocations on the same machine), e.g.
 #   OUT=DIR PARTS="check steps burst" bash bench/gpu/decode_path.sh

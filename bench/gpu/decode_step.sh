@@ -11,11 +11,11 @@ SIZES=${SIZES:-1,8,32,64,128}
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 MODEL=/tmp/vlm-bench-gemma3-4b
-[ -f "$MODEL/config.json" ] || python3 -m vlm_serve.fixtures.build --arch gemma3 --preset gemma3-4b --out "$MODEL"
+[ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out "$MODEL"
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/device.txt" 2>/dev/null
 for arch in gemma3 qwen2_5_vl; do  # tiny float32 fixtures: greedy check and node counts
-  [ -f "/tmp/vlm-tiny-$arch/config.json" ] || python3 -m vlm_serve.fixtures.build --arch $arch --out "/tmp/vlm-tiny-$arch"
+  [ -f "/tmp/vlm-tiny-$arch/config.json" ] || python3 -m fixtures.build --arch $arch --out "/tmp/vlm-tiny-$arch"
   python3 bench/decode_step.py --model "/tmp/vlm-tiny-$arch" --check 8 --context 100 --steps 40 \
       --out "$OUT/check-tiny-$arch.json" | grep rows_equal
   python3 bench/decode_step.py --model "/tmp/vlm-tiny-$arch" --check 8 --context 100 --steps 40 \

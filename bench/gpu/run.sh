@@ -10,8 +10,9 @@
 # words (default 256; the tiny-vocabulary fixture tokenizer makes ~2.7 tokens of a word,
 # so TEXT_WORDS=95 gives ~256 prompt tokens) instead of the image requests. PROFILE=1
 # samples vlm-serve's threads with py-spy while it serves (PROFILE=native adds C++
-# frames; needs py-spy: pip install it, offline from wheels brought along) and summarizes them (bench/pyspy_summary.py); the server
-# log lists every scheduler turn over 250 ms with its parts.
+# frames; needs py-spy: pip install it, offline from wheels brought along) and
+# summarizes them (bench/pyspy_summary.py); the server log lists every scheduler turn
+# over 250 ms with its parts.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
