@@ -80,11 +80,18 @@ class PrefillGroup:
             cost += member.embed(inputs, cached if cached is not None else features.get(id(member)))
         family = self.family
         self._leave([m for m in self.members if m.request.has_media and not family.batch_prefill_images])
-        if self.members:
-            # Prompts that start from the same cached prefix (a chat template's opening,
-            # a shared system prompt) go on together from its end; any other goes alone.
-            head = self.members[0]
-            self._leave([m for m in self.members if not _same_layout(m.cache, head.cache)])
+        # Prompts that start from the same cached prefix (a chat template's opening, a
+        # shared system prompt, or none) go on together from its end: the most that do;
+        # any other goes alone.
+        layouts: list[list[Prefill]] = []
+        for member in self.members:
+            same = next((group for group in layouts if _same_layout(member.cache, group[0].cache)), None)
+            if same is None:
+                layouts.append([member])
+            else:
+                same.append(member)
+        together = max(layouts, key=len, default=[])
+        self._leave([m for m in self.members if m not in together])
         return cost
 
     def _encode_together(self, prepared: list) -> dict[int, object]:

@@ -123,22 +123,18 @@ class PrefixCache:
 
 def _compact(cache: list) -> None:
     """A cache trimmed down from a longer prompt still holds that prompt's buffers:
-    keep only what is used, so the new prompt's cache is the size of its own (a step
-    of slack is what the cache would allocate anyway). A window that has not wrapped
-    yet is cut to what it holds too: prompts that start from the same prefix then have
-    caches of one shape, whichever stored prompt they came from, and share their
-    prefill passes."""
+    keep only what is used (a window only while it has not wrapped). The new prompt's
+    cache is then the size of its own, and prompts that start from the same prefix
+    have caches of one shape, whichever stored prompt they came from, so they can share
+    their prefill passes."""
     for c in cache:
         keys = getattr(c, "keys", None)
         offset = getattr(c, "offset", None)
         if not isinstance(keys, mx.array) or not isinstance(offset, int):
             continue
         window = getattr(c, "max_size", None)
-        if window is None:
-            cut = keys.shape[2] - offset >= getattr(c, "step", 256)
-        else:
-            cut = offset < window and getattr(c, "_idx", None) == offset and keys.shape[2] > offset
-        if cut:
+        unwrapped = window is None or (offset < window and getattr(c, "_idx", None) == offset)
+        if unwrapped and keys.shape[2] > offset:
             c.keys = mx.contiguous(keys[..., :offset, :])
             c.values = mx.contiguous(c.values[..., :offset, :])
 
