@@ -10,12 +10,14 @@ pass per chunk per request, each paying its graph building on the host. Here:
 - Prompts share a language-model pass wherever the single path would run the very same
   pass for each of them: the same number of tokens from the same position, with
   arguments of the same shapes (``Family.batch_signature``). Prompts of one length share
-  every pass; prompts of different lengths share their leading full chunks, then each
-  goes on alone from its own row of the shared cache. No padding and no masks: a row of
-  a shared pass computes exactly what it computes alone (the parity suite's burst cases
-  prove it per family; a family batches only under its flags).
+  every pass; prompts of different lengths share their leading full chunks, then go
+  on from their own rows of the shared cache, in smaller groups where their next passes
+  still match, else alone. No padding and no masks: a row of a shared pass computes
+  exactly what it computes alone (the parity suite's burst cases prove it per family; a
+  family batches only under its flags).
 
-A prompt whose prefix the prefix cache holds starts from that prefix on its own.
+Prompts that start from the same cached prefix (or from none) share passes from its
+end; each set of them is a group of its own.
 """
 
 from __future__ import annotations
@@ -81,17 +83,8 @@ class PrefillGroup:
         family = self.family
         self._leave([m for m in self.members if m.request.has_media and not family.batch_prefill_images])
         # Prompts that start from the same cached prefix (a chat template's opening, a
-        # shared system prompt, or none) go on together from its end: the most that do;
-        # any other goes alone.
-        layouts: list[list[Prefill]] = []
-        for member in self.members:
-            same = next((group for group in layouts if _same_layout(member.cache, group[0].cache)), None)
-            if same is None:
-                layouts.append([member])
-            else:
-                same.append(member)
-        together = max(layouts, key=len, default=[])
-        self._leave([m for m in self.members if m not in together])
+        # shared system prompt, or none) go on together from its end.
+        self._split(_partition(self.members, lambda a, b: _same_layout(a.cache, b.cache)))
         return cost
 
     def _encode_together(self, prepared: list) -> dict[int, object]:
@@ -128,39 +121,41 @@ class PrefillGroup:
     # -- the language model -------------------------------------------------------------
 
     def step(self) -> int:
-        """One shared pass (the first call: ``start``). Members whose next pass differs
-        from the one most of them run next go on alone. Returns the pass's cost in
-        prompt tokens: 0 when the group has dissolved instead (its members then step
-        alone)."""
+        """One shared pass (the first call: ``start``) of the first member and those
+        whose next pass is the very same (tokens, whether it is the last, argument
+        shapes). Returns the pass's cost in prompt tokens: 0 when the first member has
+        no one to share with (it then steps alone)."""
         self.shared_rows = self.shared_towers = 0
         if not any(m.started for m in self.members):
             return self.start()
-        together = self._largest_same_pass() if self.splittable else []
-        if len(together) < 2:
+        if not self.splittable:
             self._leave(list(self.members))
             return 0
-        self._leave([m for m in self.members if m not in together])
-        plan = together[0].next_chunk()
+        plans = {id(m): self._plan(m) for m in self.members}
+        self._split(_partition(
+            [m for m in self.members if plans[id(m)][1] is not None],
+            lambda a, b: plans[id(a)] == plans[id(b)],
+        ))
+        if len(self.members) < 2:
+            self._leave(list(self.members))
+            return 0
+        plan = self.members[0].next_chunk()
         return self._pass(plan, [m.chunk_inputs(plan[0]) for m in self.members])
 
-    def _largest_same_pass(self) -> list[Prefill]:
-        """The most members whose next passes are the very same (tokens, whether it is
-        the last, argument shapes); on a tie, the set holding the earliest member."""
-        sets: list[tuple[tuple, list[Prefill]]] = []
-        for member in self.members:
-            plan = member.next_chunk()
-            key = (plan, self._signature(member, plan))
-            if key[1] is None:
-                continue
-            found = next((same for k, same in sets if k == key), None)
-            if found is None:
-                sets.append((key, [member]))
-            else:
-                found.append(member)
-        return max((same for _, same in sets), key=len, default=[])
+    def _split(self, parts: list[list[Prefill]]) -> None:
+        """Keep the part holding the first member; every other part of two or more
+        goes on as a group of its own, and the rest alone."""
+        head = self.members[0] if self.members else None
+        keep = next((part for part in parts if head in part), [])
+        self._leave([m for m in self.members if m not in keep])
+        for part in parts:
+            if part is not keep and len(part) > 1:
+                PrefillGroup(self.model, self.family, part)
 
-    def _signature(self, member: Prefill, plan: tuple[int, bool]) -> tuple | None:
-        return self.family.batch_signature(member.chunk_inputs(plan[0])[2])
+    def _plan(self, member: Prefill) -> tuple:
+        """The member's next pass and its arguments' signature (None: never shared)."""
+        plan = member.next_chunk()
+        return plan, self.family.batch_signature(member.chunk_inputs(plan[0])[2])
 
     def _pass(self, plan: tuple[int, bool], inputs: list) -> int:
         n, last = plan
@@ -192,6 +187,18 @@ class PrefillGroup:
             member.group = None
         self.members, self.cache = [], None
         return n * rows
+
+
+def _partition(members: list[Prefill], alike) -> list[list[Prefill]]:
+    """``members`` in parts of mutually ``alike`` ones, in order of first appearance."""
+    parts: list[list[Prefill]] = []
+    for member in members:
+        part = next((p for p in parts if alike(member, p[0])), None)
+        if part is None:
+            parts.append([member])
+        else:
+            part.append(member)
+    return parts
 
 
 def _same_layout(cache: list, other: list) -> bool:
