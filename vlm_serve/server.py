@@ -61,12 +61,12 @@ def default_prefill_budget() -> int:
 
 
 def default_prefill_step() -> int:
-    """Prompt tokens per prefill pass. On a GPU a pass costs the host about the same
-    whatever its length (each of its ~3,000 operations is launched one by one), so
-    fewer, longer passes start requests sooner: 2048, as mlx-vlm's own generate, and
-    one pass fills a turn's budget. The CPU is bound by the arithmetic: 512 keeps a
+    """Prompt tokens per prefill pass: a turn's whole budget (2048 on a GPU, as
+    mlx-vlm's own generate; 512 on the CPU). On a GPU a pass costs the host about the
+    same whatever its length (each of its ~3,000 operations is launched one by one), so
+    fewer, longer passes start requests sooner; on the CPU the budget already keeps a
     turn short."""
-    return 2048 if on_gpu() else 512
+    return default_prefill_budget()
 
 
 def read_chat_template(config: ServerConfig) -> str | None:

@@ -131,11 +131,22 @@ class PrefillGroup:
         if not self.splittable:
             self._leave(list(self.members))
             return 0
-        plans = {id(m): self._plan(m) for m in self.members}
-        self._split(_partition(
-            [m for m in self.members if plans[id(m)][1] is not None],
-            lambda a, b: plans[id(a)] == plans[id(b)],
-        ))
+        plans = {id(m): m.next_chunk() for m in self.members}
+        signatures: dict[int, tuple | None] = {}
+
+        def signature(member: Prefill) -> tuple | None:
+            # Only for members whose pass matches another's: a family's signature may
+            # read a device value back (Gemma's image-token check).
+            if id(member) not in signatures:
+                n = plans[id(member)][0]
+                signatures[id(member)] = self.family.batch_signature(member.chunk_inputs(n)[2])
+            return signatures[id(member)]
+
+        def same_pass(a: Prefill, b: Prefill) -> bool:
+            return (plans[id(a)] == plans[id(b)] and signature(a) is not None
+                    and signature(a) == signature(b))
+
+        self._split(_partition(self.members, same_pass))
         if len(self.members) < 2:
             self._leave(list(self.members))
             return 0
@@ -151,11 +162,6 @@ class PrefillGroup:
         for part in parts:
             if part is not keep and len(part) > 1:
                 PrefillGroup(self.model, self.family, part)
-
-    def _plan(self, member: Prefill) -> tuple:
-        """The member's next pass and its arguments' signature (None: never shared)."""
-        plan = member.next_chunk()
-        return plan, self.family.batch_signature(member.chunk_inputs(plan[0])[2])
 
     def _pass(self, plan: tuple[int, bool], inputs: list) -> int:
         n, last = plan
