@@ -309,17 +309,20 @@ def test_each_family_over_http_with_the_openai_client(arch, start_server):
 
 def test_warm_up_runs_text_and_image_before_ready(caplog):
     """--warmup: text, image, sampled and prefix-reusing requests run once at startup,
-    and the engine serves normally after."""
+    then a batch of every slot bucket up to --max-num-seqs, and the engine serves
+    normally after."""
     import logging
 
     from vlm_serve.engine.scheduler import SchedulerConfig as Config
 
     caplog.set_level(logging.INFO, logger="vlm_serve.engine")
-    engine = Engine(str(cached_model("qwen2_5_vl")), Config(max_num_seqs=4), warm=True)
+    engine = Engine(str(cached_model("qwen2_5_vl")), Config(max_num_seqs=12), warm=True)
     engine.start()
     try:
-        assert any("warm-up: 4 request(s)" in r.getMessage() for r in caplog.records)
-        assert engine.scheduler.running == [] and engine.scheduler.peak_running == 3
+        # 3 rows fill the 4-slot bucket and the continued prompt the 1-slot one.
+        assert any("warm-up: 4 request(s), then batches of 2, 8, 12 rows" in r.getMessage()
+                   for r in caplog.records)
+        assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
         ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
                             engine.loaded.chat_template)

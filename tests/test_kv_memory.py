@@ -320,3 +320,12 @@ def test_prompts_reusing_one_prefix_get_caches_of_one_shape():
     second, n2 = prefixes.lookup(head + [60, 8, 8, 8])
     assert (n1, n2) == (11, 11)
     assert first[0].keys.shape == second[0].keys.shape and first[0].offset == second[0].offset
+
+
+def test_slot_buckets_are_every_slot_count_a_batch_can_take():
+    """The warm-up decodes one batch per slot bucket: the list must be exactly the
+    slot counts that 1..limit rows allocate."""
+    from vlm_serve.engine.decode.store import slot_bucket, slot_buckets
+
+    for limit in (1, 3, 12, 100, 300):
+        assert slot_buckets(limit) == sorted({slot_bucket(rows) for rows in range(1, limit + 1)})

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vlm_serve.fixtures.build import build_model
+from fixtures.build import build_model
 from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.scheduler import SchedulerConfig
 from vlm_serve.engine.types import SamplingParams

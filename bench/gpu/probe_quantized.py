@@ -49,7 +49,7 @@ def main() -> None:
     if args.probe:
         probe(args.probe, args.batch, args.context, args.steps)
         return
-    from vlm_serve.fixtures.build import build_model, quantize_model
+    from fixtures.build import build_model, quantize_model
 
     bf16 = Path(f"/tmp/vlm-bench-{args.preset}")
     if not (bf16 / "config.json").exists():

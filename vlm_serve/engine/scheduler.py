@@ -282,12 +282,14 @@ class Scheduler:
         self._fail_all("server is shutting down", FinishReason.CANCELLED)
         self._flush()
 
-    def run_to_completion(self, requests: list[PreparedRequest]) -> None:
-        """Serve ``requests`` to the end on this thread, publishing nothing (warm-up)."""
+    def run_to_completion(self, requests: list[PreparedRequest], copies: int = 0) -> None:
+        """Serve ``requests`` to the end on this thread, publishing nothing (warm-up),
+        each with ``copies`` more rows of its prompt (as a request with n > 1 has)."""
         publish, self.publish = self.publish, lambda events: None
         try:
             for request in requests:
-                self._handle(Submit(request))
+                more = [replace(request, request_id=f"{request.request_id}-{i}") for i in range(1, copies + 1)]
+                self._handle(Submit(request, more))
             while self.waiting or self.prefilling or self.running or self._inflight:
                 self._turn()
                 self._flush()
@@ -538,9 +540,8 @@ class Scheduler:
             for i, member in enumerate(group):
                 # Each copy samples its own first token (its own seed) from the shared
                 # logits, and joins as a row of its own: the batch copies the prompt's
-                # cache into every row. The row joins with its first token still lazy;
-                # it is read back right after the next decode step is queued, so the
-                # device never idles on the way.
+                # cache into every row. Its first token is read back right after the
+                # next decode step is queued, so the device never idles on the way.
                 sampler = BatchSampler(self.vocab_size)
                 sampler.add(member.request.sampling, member.request.input_ids.tolist(), self.eos_token_ids)
                 out = sampler.sample(prefill.logits, allowed_tokens([member.matcher], self.vocab_size))
@@ -549,6 +550,10 @@ class Scheduler:
                     row_state = dict(row_state)  # families update it per row
                 rows.append(JoiningRow(prefill.cache, sampler, out.tokens, row_state))
                 steps.append(Step(out, [member], self._logprob_arrays(out, [member])))
+            # The prompt's last pass and its first tokens go to the device now, on
+            # their own: queued only with the next decode step, a first token could be
+            # read back only once that whole step had run, not once the prefill had.
+            mx.async_eval([a for step in steps for a in (step.out.tokens, *step.extras)])
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this prompt
             log.exception("prefill failed for %s", state.id)
             self.prefilling.remove(state)

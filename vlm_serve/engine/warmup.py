@@ -8,18 +8,24 @@ and the first vision call 9 s on a CUDA machine. At startup instead:
   prefilled and then decoded together as one batch;
 - then a prompt that continues the first one, so a prefix-cache hit and the pass that
   goes on from it run too (the first request after a warm-up without it stalled 18 s on
-  a fresh H200, though what it compiled is not broken down).
+  a fresh H200, though what it compiled is not broken down);
+- then, for every number of slots the batch can reach up to ``--max-num-seqs``, one
+  prompt decoded as that many rows (copies sharing its prefill): each new batch shape
+  costs a trace of the compiled step and kernels built for it (the first 32-row step
+  of a fresh H200 took 4 s).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from PIL import Image
 
 from ..preprocess.media import MediaPolicy
 from ..preprocess.prompt import PromptContext, prepare_prompt, render_chat
+from .decode.store import slot_bucket, slot_buckets
 from .types import SamplingParams
 
 log = logging.getLogger("vlm_serve.engine")
@@ -49,4 +55,19 @@ def warm_up(loaded, scheduler) -> None:
     scheduler.run_to_completion(together)
     # Starts from the first prompt's cached prefix (where the family keeps prefixes).
     scheduler.run_to_completion([text("warm-up-continued", _TEXT + " Then say why.", greedy)])
-    log.info("warm-up: %d request(s) in %.1f s", len(together) + 1, time.monotonic() - started)
+    sizes = _batch_sizes(scheduler, covered={1, len(together)})
+    rows = text("warm-up-rows", "Count to three.", replace(greedy, max_tokens=2))
+    for size in sizes:
+        scheduler.run_to_completion([replace(rows, request_id=f"warm-up-rows-{size}")], copies=size - 1)
+    log.info("warm-up: %d request(s), then batches of %s rows, in %.1f s", len(together) + 1,
+             ", ".join(map(str, sizes)) or "no more", time.monotonic() - started)
+
+
+def _batch_sizes(scheduler, covered: set[int]) -> list[int]:
+    """Row counts that reach each slot bucket up to the batch's limit that the
+    requests before did not (a family decoded one row at a time has one)."""
+    if not scheduler.family.batched:
+        return []
+    limit = scheduler.config.max_num_seqs
+    reached = {slot_bucket(n) for n in covered}
+    return [min(size, limit) for size in slot_buckets(limit) if size not in reached]

@@ -49,6 +49,14 @@ def slot_bucket(rows: int) -> int:
     return -(-rows // 128) * 128
 
 
+def slot_buckets(rows: int) -> list[int]:
+    """Every number of slots a batch of up to ``rows`` rows can have."""
+    sizes = [slot_bucket(1)]
+    while sizes[-1] < rows:
+        sizes.append(slot_bucket(sizes[-1] + 1))
+    return sizes
+
+
 @dataclass
 class LayerKind:
     """Layers that share a mask: full attention (window None) or one sliding window.
