@@ -10,6 +10,7 @@ row at a time (``SerialFamily``) run the same suite, so that path is proven too.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -320,8 +321,8 @@ def test_warm_up_runs_text_and_image_before_ready(caplog):
     engine.start()
     try:
         # 3 rows fill the 4-slot bucket and the continued prompt the 1-slot one.
-        assert any("warm-up: 4 request(s), then batches of 2, 8, 12 rows" in r.getMessage()
-                   for r in caplog.records)
+        assert any(re.search(r"warm-up: 5 request\(s\) \(one of \d+ tokens\), then batches of 2, 8, 12 rows, in",
+                             r.getMessage()) for r in caplog.records)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
         ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,

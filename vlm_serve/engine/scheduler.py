@@ -147,6 +147,7 @@ class Scheduler:
             if config.prefix_cache_entries > 0 and family.prefix_cache else None
         )
         self.memory = self._budget(model, family, config)
+        self._quiet = False  # warm-up: requests end without a log line each
         self._outbox: list[GenerationEvent] = []
         self._inflight: Step | None = None
         self._joining: list[Step] = []  # rows whose first token is not read back yet
@@ -286,6 +287,7 @@ class Scheduler:
         """Serve ``requests`` to the end on this thread, publishing nothing (warm-up),
         each with ``copies`` more rows of its prompt (as a request with n > 1 has)."""
         publish, self.publish = self.publish, lambda events: None
+        self._quiet = True
         try:
             for request in requests:
                 more = [replace(request, request_id=f"{request.request_id}-{i}") for i in range(1, copies + 1)]
@@ -295,6 +297,7 @@ class Scheduler:
                 self._flush()
         finally:
             self.publish = publish
+            self._quiet = False
 
     def _turn(self) -> None:
         idle = not (self.waiting or self.prefilling or self.running or self._inflight)
@@ -737,7 +740,8 @@ class Scheduler:
         )
         ttft = f"{stats['ttft_s'] * 1000:.0f}ms" if stats["ttft_s"] is not None else "-"
         tps = f"{stats['decode_tps']:.1f}" if stats["decode_tps"] is not None else "-"
-        log.info(
+        log.log(
+            logging.DEBUG if self._quiet else logging.INFO,
             "request %s done: prompt_tokens=%d cached_tokens=%d images=%d completion_tokens=%d "
             "ttft=%s tokens/s=%s finish=%s%s",
             state.id, state.request.num_prompt_tokens, state.reused_tokens, state.request.num_images,

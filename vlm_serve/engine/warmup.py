@@ -1,18 +1,21 @@
 """Run every path once before the server reports ready.
 
-On a fresh GPU, MLX compiles each kernel on first use: the first text request took 20 s
-and the first vision call 9 s on a CUDA machine. At startup instead:
+On a fresh GPU, MLX compiles each kernel on first use, seconds apiece (an H100: 90 s
+for the first 16 kernels, 4.6 s for one more the first time a row left a running
+batch). At startup instead:
 
-- a text and an image request (if the model has a vision tower) and a sampled one
-  (temperature, top-p, top-k, a repetition penalty: what chat clients send) are
-  prefilled and then decoded together as one batch;
-- then a prompt that continues the first one, so a prefix-cache hit and the pass that
-  goes on from it run too (the first request after a warm-up without it stalled 18 s on
-  a fresh H200, though what it compiled is not broken down);
-- then, for every number of slots the batch can reach up to ``--max-num-seqs``, one
-  prompt decoded as that many rows (copies sharing its prefill): each new batch shape
-  costs a trace of the compiled step and kernels built for it (the first 32-row step
-  of a fresh H200 took 4 s).
+- a text, a sampled (temperature, top-p, top-k, a repetition penalty: what chat
+  clients send) and an image request (if the model has a vision tower) are prefilled
+  and decoded together as one batch, and leave it one by one (a row leaving moves
+  another into its slot);
+- a prompt that continues the first one, so a prefix-cache hit and the pass that goes
+  on from it run too;
+- a prompt longer than a prefill pass and than any sliding window: several passes, and
+  a window that rotates;
+- for every number of slots the batch can reach up to ``--max-num-seqs``, one prompt
+  decoded as that many rows (copies sharing its prefill): each batch shape costs a
+  trace of the compiled step and the kernels built for it (the first 32-row step of a
+  fresh H200 took 4 s).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def warm_up(loaded, scheduler) -> None:
     started = time.monotonic()
     ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 1, loaded.chat_template)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=40,
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=40,
                              repetition_penalty=1.1, seed=0, ignore_eos=True)
 
     def text(rid: str, words: str, params: SamplingParams):
@@ -49,18 +52,41 @@ def warm_up(loaded, scheduler) -> None:
         try:
             prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _TEXT}]}])
             image = Image.new("RGB", (448, 448), (90, 140, 200))
-            together.append(prepare_prompt(ctx, "warm-up-image", prompt, greedy, [image]))
+            together.append(prepare_prompt(ctx, "warm-up-image", prompt, replace(greedy, max_tokens=8), [image]))
         except Exception as exc:  # noqa: BLE001 - warm-up must never keep the server down
             log.warning("warm-up: no image request (%s)", exc)
     scheduler.run_to_completion(together)
     # Starts from the first prompt's cached prefix (where the family keeps prefixes).
     scheduler.run_to_completion([text("warm-up-continued", _TEXT + " Then say why.", greedy)])
+    long = _long_prompt(loaded, scheduler, text, replace(greedy, max_tokens=2))
+    if long is not None:
+        scheduler.run_to_completion([long])
     sizes = _batch_sizes(scheduler, covered={1, len(together)})
     rows = text("warm-up-rows", "Count to three.", replace(greedy, max_tokens=2))
     for size in sizes:
         scheduler.run_to_completion([replace(rows, request_id=f"warm-up-rows-{size}")], copies=size - 1)
-    log.info("warm-up: %d request(s), then batches of %s rows, in %.1f s", len(together) + 1,
-             ", ".join(map(str, sizes)) or "no more", time.monotonic() - started)
+    log.info("warm-up: %d request(s)%s%s in %.1f s", len(together) + 1 + (long is not None),
+             f" (one of {long.num_prompt_tokens} tokens)" if long is not None else "",
+             f", then batches of {', '.join(map(str, sizes))} rows," if sizes else "",
+             time.monotonic() - started)
+
+
+def _long_prompt(loaded, scheduler, text, params: SamplingParams):
+    """A text prompt a little longer than a prefill pass and than the longest sliding
+    window, where the model's context and the memory limit allow one; else None."""
+    windows = [layer.window for layer in scheduler.memory.layout.layers if layer.window]
+    target = max([scheduler.config.prefill_step_size, *windows]) + 64
+    if target + params.max_tokens > loaded.max_model_len:
+        return None
+    words = target
+    for _ in range(3):  # words per token depend on the tokenizer: scale to the target
+        prompt = text("warm-up-long", " ".join(["again"] * words), params)
+        if prompt.num_prompt_tokens >= target:
+            break
+        words = words * target // max(prompt.num_prompt_tokens, 1) + 16
+    if prompt.num_prompt_tokens < target or scheduler.memory.alone(prompt) > scheduler.memory.limit:
+        return None
+    return prompt
 
 
 def _batch_sizes(scheduler, covered: set[int]) -> list[int]:
