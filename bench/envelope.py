@@ -10,6 +10,13 @@ step at batch B with C tokens of context already in the cache.
 
 from __future__ import annotations
 
+import os
+
+# The plain forward runs as mlx-vlm's users run it, with MLX's own defaults: importing
+# vlm_serve (below) would turn MLX's CUDA graphs off for the whole process, as the
+# server runs. Set MLX_USE_CUDA_GRAPHS=0 to time the plain forward that way too.
+os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "1")
+
 import argparse
 import json
 import statistics

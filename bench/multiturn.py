@@ -11,22 +11,24 @@ Run it against a server with the prefix cache on and one with it off
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
-from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve import encode_data_url, make_image_array  # noqa: E402
 
 
-def image_url(size: int, seed: int) -> str:
-    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+def image_url(size: int, seed: int, fmt: str = "png", content: str = "noise") -> str:
+    """A data URL of a square image (noise as PNG: the largest body a chat client sends
+    for its size; a gradient as JPEG: about a photo's)."""
+    pixels = make_image_array(np.random.default_rng(seed), size, size, content)
+    return encode_data_url(pixels, fmt)
 
 
 def ttft(client: httpx.Client, base_url: str, messages: list, max_tokens: int) -> tuple[float, str, int]:
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--image-format", choices=("png", "jpeg"), default="png")
+    parser.add_argument("--image-content", choices=("noise", "gradient"), default="noise")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
@@ -69,7 +73,7 @@ def main() -> None:
     with httpx.Client(timeout=600) as client:
         for c in range(args.conversations):
             messages = [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_url(args.image_size, c)}},
+                {"type": "image_url", "image_url": {"url": image_url(args.image_size, c, args.image_format, args.image_content)}},
                 {"type": "text", "text": "Describe this picture in detail."}]}]
             for turn in range(1, args.turns + 1):
                 seconds, answer, hit = ttft(client, args.base_url, messages, args.max_tokens)
