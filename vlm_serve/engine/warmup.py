@@ -78,8 +78,8 @@ def _long_prompt(loaded, scheduler, text, params: SamplingParams):
     target = max([scheduler.config.prefill_step_size, *windows]) + 64
     if target + params.max_tokens > loaded.max_model_len:
         return None
-    words = target
-    for _ in range(3):  # words per token depend on the tokenizer: scale to the target
+    words = max(target // 4, 16)
+    for _ in range(4):  # tokens per word depend on the tokenizer: scale up to the target
         prompt = text("warm-up-long", " ".join(["again"] * words), params)
         if prompt.num_prompt_tokens >= target:
             break
