@@ -165,21 +165,37 @@ class Prefill:
         Returns the number of prompt tokens the step cost."""
         if self.embeds is None:
             return self.start()
-        lm = self.model.language_model
         n, last = self.next_chunk()
         ids, embeds, kwargs = self.chunk_inputs(n)
         if not last:
-            lm(inputs=ids, inputs_embeds=embeds, cache=self.cache, n_to_process=n,
-               logits_to_keep=1, **kwargs)
+            prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs, n)
             mx.async_eval([c.state for c in self.cache])
             self.advance(n)
             return n
         if n == 1:
             self.keep_short_cache()
-        out = lm(ids, inputs_embeds=embeds, cache=self.cache, logits_to_keep=1, **kwargs)
+        logits, out = prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs)
         self.advance(n)
-        self.finish(out.logits[:, -1, :], self.family.row_state(self.kwargs, out))
+        self.finish(logits, self.family.row_state(self.kwargs, out))
         return n
+
+
+def prefill_pass(model, family, ids, embeds, cache, kwargs: dict, n_to_process: int | None = None):
+    """One language-model pass over ``cache``. A last pass (``n_to_process`` None)
+    returns the last position's logits (rows, vocab) and the model's output (None where
+    the family's decoder ran the pass: on fused weights, with the output layer on the
+    last position only)."""
+    decoder = family.prefill_decoder(kwargs)
+    if decoder is not None:
+        hidden = decoder.prefill(embeds, cache)
+        return None if n_to_process is not None else (decoder.head_of(hidden), None)
+    lm = model.language_model
+    if n_to_process is not None:
+        lm(inputs=ids, inputs_embeds=embeds, cache=cache, n_to_process=n_to_process,
+           logits_to_keep=1, **kwargs)
+        return None
+    out = lm(ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs)
+    return out.logits[:, -1, :], out
 
 
 def _rotates_on_next_token(cache: list) -> bool:

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
 from .families import Family
-from .prefill import Prefill, _rotates_on_next_token
+from .prefill import Prefill, _rotates_on_next_token, prefill_pass
 
 # Layer caches whose rows can be sliced apart: the single-request caches a prompt gets.
 _SPLITTABLE = (vlm_cache.KVCache, vlm_cache.RotatingKVCache)
@@ -165,7 +165,6 @@ class PrefillGroup:
 
     def _pass(self, plan: tuple[int, bool], inputs: list) -> int:
         n, last = plan
-        lm = self.model.language_model
         ids = mx.concatenate([x[0] for x in inputs])
         embeds = mx.concatenate([x[1] for x in inputs])
         kwargs = self.family.stack_chunk_kwargs([x[2] for x in inputs])
@@ -173,8 +172,7 @@ class PrefillGroup:
         if self.cache is None:
             self.cache = _stacked([m.cache for m in self.members])
         if not last:
-            lm(inputs=ids, inputs_embeds=embeds, cache=self.cache, n_to_process=n,
-               logits_to_keep=1, **kwargs)
+            prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs, n)
             mx.async_eval([c.state for c in self.cache])
             for member in self.members:
                 member.advance(n)
@@ -183,8 +181,7 @@ class PrefillGroup:
             for i, member in enumerate(self.members):
                 if member.prefix_cache is not None:
                     member.short_cache = _rows(self.cache, slice(i, i + 1))
-        out = lm(ids, inputs_embeds=embeds, cache=self.cache, logits_to_keep=1, **kwargs)
-        logits = out.logits[:, -1, :]
+        logits, _ = prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs)
         for i, member in enumerate(self.members):
             member.cache = _rows(self.cache, slice(i, i + 1))
             member.advance(n)

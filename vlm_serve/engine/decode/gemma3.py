@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.nn import gelu_approx
+from mlx_vlm.models.base import create_attention_mask, kv_sequence_length, scaled_dot_product_attention
 from mlx_vlm.models.gemma3.language import clip_residual
 
 from .attention import attend
@@ -39,6 +40,26 @@ class Gemma3Decoder(StepDecoder):
         mx.eval(self.final_norm)
         attn = text.layers[0].self_attn  # head counts from the layer (a sharded one has fewer)
         super().__init__(kinds, attn.n_heads, attn.n_kv_heads, config.head_dim)
+
+    def prefill(self, inputs_embeds: mx.array, cache: list) -> mx.array:
+        """One prefill pass over the model's own caches, as mlx-vlm's language model
+        runs it (the same masks, caches and attention), on the fused weights: the
+        hidden state of the pass's last position, before the final norm."""
+        text = self.lm.model
+        h = inputs_embeds * self.embed_scale.astype(inputs_embeds.dtype)
+        pattern = text.sliding_window_pattern
+        full_mask = create_attention_mask(h, cache[pattern - 1])
+        window_mask = create_attention_mask(h, cache[0], window_size=text.window_size) if pattern > 1 else None
+        B, L, hidden = h.shape
+        h = h.reshape(B * L, hidden)
+        for layer, kind, layer_cache in zip(self.layers, self.layer_kinds, cache):
+            mask = full_mask if kind.window is None else window_mask
+            h = layer.prefill(h, B, L, mask, layer_cache)
+        return h.reshape(B, L, hidden)[:, -1, :]
+
+    def head_of(self, hidden: mx.array) -> mx.array:
+        """Logits of last-position hidden states from ``prefill``."""
+        return self.head(mx.fast.rms_norm(hidden, self.final_norm, self.eps))
 
     def forward(self, tokens, positions, indices, visible, keys, values):
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
@@ -86,6 +107,30 @@ class _Layer:
         k = attn.rope(k, offset=positions)
         keys, values = write(index, k, v)
         r = self.o_proj(attend(q, keys, values, attn.scale, visible))
+        h = clip_residual(x + self._norm("post_attention_layernorm", r))
+        gate, up = mx.split(
+            self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1
+        )
+        r = self.down_proj(_gelu_times(gate, up))
+        return clip_residual(h + self._norm("post_feedforward_layernorm", r))
+
+
+    def prefill(self, x: mx.array, B: int, L: int, mask, cache) -> mx.array:
+        """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
+        ``TransformerBlock`` on the fused weights)."""
+        attn = self.attn
+        x = clip_residual(x)
+        q, k, v = mx.split(self.qkv(self._norm("input_layernorm", x)), self.qkv_split, axis=-1)
+        q = mx.fast.rms_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3), self.q_norm, self.eps)
+        k = mx.fast.rms_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3), self.k_norm, self.eps)
+        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = attn.rope(q, offset=cache.offset)
+        k = attn.rope(k, offset=cache.offset)
+        keys, values = cache.update_and_fetch(k, v)
+        if isinstance(mask, mx.array) and mask.shape[-1] != kv_sequence_length(keys):
+            mask = mask[..., -kv_sequence_length(keys):]
+        out = scaled_dot_product_attention(q, keys, values, cache, scale=attn.scale, mask=mask)
+        r = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, -1))
         h = clip_residual(x + self._norm("post_attention_layernorm", r))
         gate, up = mx.split(
             self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1

@@ -191,6 +191,11 @@ class Family:
         metadata by the cache offset themselves)."""
         return kwargs
 
+    def prefill_decoder(self, kwargs: dict):
+        """The decoder whose own prefill pass (``prefill``, ``head_of``) runs a pass
+        with these language-model arguments, or None: the model code runs it."""
+        return None
+
     def row_state(self, prefill_kwargs: dict, last_output) -> dict[str, Any]:
         return {}
 

@@ -19,6 +19,10 @@ class Gemma3(Family):
     # attention_mask_4d (get_input_embeddings' padding mask) is not read by the text model.
     prefill_batch_axes = {"attention_mask_4d": None}
 
+    def prefill_decoder(self, kwargs):
+        # The text model reads only the embeddings, the caches and a mask if given.
+        return self.decoder() if "mask" not in kwargs else None
+
     def encode_images(self, input_ids, pixel_values, inputs):
         # As Gemma 3's get_input_embeddings: pixels in the embedding dtype, channels last.
         dtype = self.model.language_model.model.embed_tokens(input_ids[:, :1]).dtype

@@ -1,0 +1,75 @@
+"""One prefill pass of a prompt, through mlx-vlm's model code and through the family's
+engine decoder (fused weights, output layer on the last position only), on fresh
+caches: milliseconds per pass, passes queued back to back as the scheduler queues
+them, and whether the two give the same logits bit for bit.
+
+    python bench/prefill_pass.py --model DIR [--lengths 64,270,2048] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+from mlx_vlm import load
+
+from vlm_serve.engine.families import family_for
+from vlm_serve.engine.prefill import prefill_pass
+
+
+class _ModelCode:
+    """A family whose prefill passes run through the model code."""
+
+    def __init__(self, family):
+        self.family = family
+
+    def prefill_decoder(self, kwargs):
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--lengths", default="64,270,2048")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    model, _ = load(args.model)
+    lm = model.language_model
+    family = family_for(model)
+    if family.prefill_decoder({}) is None:
+        raise SystemExit(f"{family.name}: no engine prefill pass")
+    paths = {"model code": _ModelCode(family), "engine": family}
+    vocab = lm.model.embed_tokens.weight.shape[0]  # ids past it would read outside the table
+    results = []
+    for length in map(int, args.lengths.split(",")):
+        ids = mx.random.randint(10, min(1000, vocab), (1, length), key=mx.random.key(length))
+        row = {"tokens": length}
+        logits = {}
+        for name, path in paths.items():
+            def one():
+                # Embedded anew each time: the model code scales its input in place.
+                embeds = lm.model.embed_tokens(ids)
+                return prefill_pass(model, path, ids, embeds, lm.make_cache(), {})[0]
+            logits[name] = one()
+            mx.eval(logits[name], one())
+            start = time.perf_counter()
+            outs = []
+            for _ in range(args.reps):
+                outs.append(one())
+                mx.async_eval(outs[-1])
+            mx.eval(outs)
+            row[f"{name} ms"] = round(1000 * (time.perf_counter() - start) / args.reps, 2)
+        row["bit-equal"] = bool(mx.array_equal(logits["model code"], logits["engine"]).item())
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "mlx": mx.__version__, "device": str(mx.default_device()),
+                       "passes": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
