@@ -4,15 +4,23 @@ The same computation as mlx-vlm's Gemma 3 language model for one new token per r
 without what a general forward pass pays for on every layer: masks and offsets are
 built once per step (by the store), RMSNorm weights are ``1 + w`` once at load, the
 query/key/value projections are one matmul and gate/up another (their weights fused at
-load, the model's own projections left as views of the fused weights so prefill is
-unchanged), activations stay 2-D and single-token head transposes are reshapes.
+load, the model's own projections left as views of the fused weights), activations stay
+2-D and single-token head transposes are reshapes.
+
+Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
+own masks, caches and attention, and the output layer on the last position only: on
+the CPU their logits equal the model code's bit for bit (``tests/test_gemma3_prefill.py``).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx.nn import gelu_approx
-from mlx_vlm.models.base import create_attention_mask, kv_sequence_length, scaled_dot_product_attention
+from mlx_vlm.models.base import (
+    create_attention_mask,
+    kv_sequence_length,
+    scaled_dot_product_attention,
+)
 from mlx_vlm.models.gemma3.language import clip_residual
 
 from .attention import attend
@@ -113,7 +121,6 @@ class _Layer:
         )
         r = self.down_proj(_gelu_times(gate, up))
         return clip_residual(h + self._norm("post_feedforward_layernorm", r))
-
 
     def prefill(self, x: mx.array, B: int, L: int, mask, cache) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's

@@ -1,0 +1,59 @@
+"""Gemma 3's prefill passes run on the engine decoder's fused weights
+(``Gemma3Decoder.prefill``): the last position's logits equal those of mlx-vlm's model
+code, run on a separately loaded copy of the model whose weights were never fused, to
+the bit on the CPU. This holds for a prompt in one pass and in two, below and past the
+sliding window, in float32 and in 4-bit, and for a pass that stacks two prompts.
+
+The token ids stay inside the tiny fixture's vocabulary: ids past it read outside the
+embedding table, which gives garbage that changes from run to run.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_vlm import load as vlm_load
+
+from vlm_serve.engine.families import family_for
+from vlm_serve.engine.prefill import prefill_pass
+from vlm_serve.fixtures.build import cached_model
+
+
+class _ModelCode:
+    """Runs every prefill pass through the model code."""
+
+    def prefill_decoder(self, kwargs):
+        return None
+
+
+def _passes(model, family, ids: mx.array, chunks: list[int]) -> mx.array:
+    """The last logits of ``ids`` prefilled in passes of ``chunks`` tokens."""
+    lm = model.language_model
+    cache, start = lm.make_cache(), 0
+    for i, n in enumerate(chunks):
+        # Embedded per pass, as the engine does: the model code scales its input in place.
+        embeds = lm.model.embed_tokens(ids[:, start:start + n])
+        last = i == len(chunks) - 1
+        out = prefill_pass(model, family, ids[:, start:start + n], embeds, cache, {},
+                           None if last else n)
+        mx.eval([c.state for c in cache])
+        start += n
+    return out[0]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_prefill_on_fused_weights_equals_the_model_code(bits):
+    path = cached_model("gemma3", bits=bits)
+    reference, _ = vlm_load(str(path))
+    model, _ = vlm_load(str(path))
+    family = family_for(model)
+    assert family.prefill_decoder({}) is not None  # fuses the weights in place
+    vocab = reference.language_model.model.embed_tokens.weight.shape[0]
+    window = reference.language_model.model.window_size
+    for length, chunks in ((20, [20]), (64, [64]), (64, [30, 34]), (3 * window, [window, 2 * window])):
+        ids = mx.random.randint(3, vocab, (2, length), key=mx.random.key(length))
+        for rows in (ids[:1], ids):  # one prompt, and two stacked in one pass
+            expected = _passes(reference, _ModelCode(), rows, chunks)
+            got = _passes(model, family, rows, chunks)
+            assert got.shape == (rows.shape[0], vocab)
+            assert mx.array_equal(got, expected).item(), (bits, length, chunks, rows.shape)
