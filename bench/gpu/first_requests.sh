@@ -24,7 +24,9 @@ load() {  # label, then bench/serve.py arguments
   touch "$OUT/.mark"
   python3 bench/serve.py --base-url "http://127.0.0.1:$PORT/v1" --warmup 0 --quiet \
       --result-json "$OUT/$run-$label.json" "$@"
-  python3 - "$OUT/$run-$label.json" "$label" "$(find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -newer "$OUT/.mark" | wc -l)" <<'PY' | tee -a "$OUT/$run.md"
+  # The kernels MLX compiled during this stage, by name (none, once the warm-up did its job).
+  find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -newer "$OUT/.mark" | sed 's|.*/||' > "$OUT/$run-$label.kernels.txt"
+  python3 - "$OUT/$run-$label.json" "$label" "$(wc -l < "$OUT/$run-$label.kernels.txt")" <<'PY' | tee -a "$OUT/$run.md"
 import json, sys
 path, label, kernels = sys.argv[1:]
 m = json.load(open(path))["runs"][0]["metrics"]
