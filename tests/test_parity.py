@@ -482,3 +482,27 @@ def test_burst_with_a_cancelled_and_a_failing_request(burst):
     for case in cases:
         _assert_matches_oracle(burst, case, results[case.name])
     assert scheduler.prefilling == deque() and scheduler.running == []
+
+
+def test_prompts_of_different_lengths_share_a_padded_last_pass(burst):
+    """Prompts that go on from one cached prefix with last passes of different lengths
+    share one pass where the family pads (each prompt's tokens first, the padding
+    trimmed from its cache after), and each gives the oracle's tokens."""
+    scheduler = burst.engine.scheduler
+    if not scheduler.family.pad_last_prefill:
+        pytest.skip("this family shares only passes of one length")
+    tokenizer = burst.ctx.processor.tokenizer
+    texts = {"seed": "Say one word.", "pad-a": "Name a colour.", "pad-b": "Name two bright colours.",
+             "pad-c": "Which colour has the sky at noon?"}
+    ids = {rid: tokenizer.encode(chat_prompt(burst.ctx, Case(rid, text)), add_special_tokens=False)
+           for rid, text in texts.items()}
+    assert len({len(v) for k, v in ids.items() if k != "seed"}) == 3  # three lengths
+    # The first prompt leaves the chat template's opening in the prefix cache.
+    run_burst(burst, [(_prepared_from_ids(burst, "seed", ids["seed"], 2), None, None)])
+    rows, reused = scheduler.shared_prefill_rows, scheduler.prefix_cache.reused_tokens
+    results = run_burst(burst, [(_prepared_from_ids(burst, rid, ids[rid], 6), None, None)
+                                for rid in ("pad-a", "pad-b", "pad-c")])
+    for rid in ("pad-a", "pad-b", "pad-c"):
+        assert results[rid]["tokens"] == _oracle_from_ids(burst, ids[rid], 6)
+    assert scheduler.prefix_cache.reused_tokens > reused  # they went on from the prefix
+    assert scheduler.shared_prefill_rows >= rows + 3  # ... in one pass of three rows

@@ -180,14 +180,16 @@ class Prefill:
         return n
 
 
-def prefill_pass(model, family, ids, embeds, cache, kwargs: dict, n_to_process: int | None = None):
+def prefill_pass(model, family, ids, embeds, cache, kwargs: dict, n_to_process: int | None = None,
+                 last_positions: mx.array | None = None):
     """One language-model pass over ``cache``. A last pass (``n_to_process`` None)
-    returns the last position's logits (rows, vocab) and the model's output (None where
-    the family's decoder ran the pass: on fused weights, with the output layer on the
-    last position only)."""
+    returns each row's last logits (rows, vocab), at ``last_positions`` (one per row)
+    where rows are padded, else at the end, and the model's output (None where the
+    family's decoder ran the pass: on fused weights, with the output layer on those
+    positions only)."""
     decoder = family.prefill_decoder(kwargs)
     if decoder is not None:
-        hidden = decoder.prefill(embeds, cache)
+        hidden = decoder.prefill(embeds, cache, last_positions)
         return None if n_to_process is not None else (decoder.head_of(hidden), None)
     lm = model.language_model
     if n_to_process is not None:
@@ -195,7 +197,9 @@ def prefill_pass(model, family, ids, embeds, cache, kwargs: dict, n_to_process: 
            logits_to_keep=1, **kwargs)
         return None
     out = lm(ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs)
-    return out.logits[:, -1, :], out
+    if last_positions is None:
+        return out.logits[:, -1, :], out
+    return mx.take_along_axis(out.logits, last_positions[:, None, None], axis=1)[:, 0, :], out
 
 
 def _rotates_on_next_token(cache: list) -> bool:

@@ -142,16 +142,22 @@ class PrefillGroup:
                 signatures[id(member)] = self.family.batch_signature(member.chunk_inputs(n)[2])
             return signatures[id(member)]
 
+        # A padded pass is at most as long as the longest last pass of the group.
+        longest = max((n for n, last in plans.values() if last), default=0)
+
+        def padded(member: Prefill) -> bool:
+            return self.family.pad_last_prefill and _fits_padded(member, plans[id(member)][1], longest)
+
         def same_pass(a: Prefill, b: Prefill) -> bool:
-            return (plans[id(a)] == plans[id(b)] and signature(a) is not None
-                    and signature(a) == signature(b))
+            if plans[id(a)] != plans[id(b)] and not (padded(a) and padded(b)):
+                return False
+            return signature(a) is not None and signature(a) == signature(b)
 
         self._split(_partition(self.members, same_pass))
         if len(self.members) < 2:
             self._leave(list(self.members))
             return 0
-        plan = self.members[0].next_chunk()
-        return self._pass(plan, [m.chunk_inputs(plan[0]) for m in self.members])
+        return self._pass([plans[id(m)][0] for m in self.members], plans[id(self.members[0])][1])
 
     def _split(self, parts: list[list[Prefill]]) -> None:
         """Keep the part holding the first member; every other part of two or more
@@ -163,10 +169,13 @@ class PrefillGroup:
             if part is not keep and len(part) > 1:
                 PrefillGroup(self.model, self.family, part)
 
-    def _pass(self, plan: tuple[int, bool], inputs: list) -> int:
-        n, last = plan
-        ids = mx.concatenate([x[0] for x in inputs])
-        embeds = mx.concatenate([x[1] for x in inputs])
+    def _pass(self, lengths: list[int], last: bool) -> int:
+        """One pass of ``lengths[i]`` tokens of each member: of one length, or, for a
+        last pass, each padded to the longest (see ``Family.pad_last_prefill``)."""
+        n = max(lengths)
+        inputs = [m.chunk_inputs(k) for m, k in zip(self.members, lengths)]
+        ids = mx.concatenate([_pad(x[0], n) for x in inputs])
+        embeds = mx.concatenate([_pad(x[1], n) for x in inputs])
         kwargs = self.family.stack_chunk_kwargs([x[2] for x in inputs])
         rows = self.shared_rows = len(self.members)
         if self.cache is None:
@@ -181,15 +190,37 @@ class PrefillGroup:
             for i, member in enumerate(self.members):
                 if member.prefix_cache is not None:
                     member.short_cache = _rows(self.cache, slice(i, i + 1))
-        logits, _ = prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs)
-        for i, member in enumerate(self.members):
+        ends = mx.array([k - 1 for k in lengths], mx.int32) if min(lengths) < n else None
+        logits, _ = prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs,
+                                 last_positions=ends)
+        for i, (member, k) in enumerate(zip(self.members, lengths)):
             member.cache = _rows(self.cache, slice(i, i + 1))
-            member.advance(n)
+            for layer in member.cache:
+                layer.trim(n - k)  # its padding: the cache ends where its prompt does
+            member.advance(k)
             # A family that batches prefill keeps nothing of the last output per row.
             member.finish(logits[i:i + 1], self.family.row_state(member.kwargs, None))
             member.group = None
         self.members, self.cache = [], None
         return n * rows
+
+
+def _fits_padded(member: Prefill, last: bool, longest: int) -> bool:
+    """Whether ``member``'s next pass may be padded to at most ``longest`` tokens: it
+    is its last, and the padding fills no sliding window, so trimming it off leaves the
+    cache the member's own pass leaves."""
+    if not last:
+        return False
+    windows = [c.max_size for c in member.cache if getattr(c, "max_size", None)]
+    return all(member.position + longest < w for w in windows)
+
+
+def _pad(x: mx.array, n: int) -> mx.array:
+    """``x`` (1, k, ...) followed by zeros up to ``n`` along the tokens."""
+    k = x.shape[1]
+    if k == n:
+        return x
+    return mx.concatenate([x, mx.zeros((x.shape[0], n - k, *x.shape[2:]), x.dtype)], axis=1)
 
 
 def _partition(members: list[Prefill], alike) -> list[list[Prefill]]:

@@ -49,10 +49,11 @@ class Gemma3Decoder(StepDecoder):
         attn = text.layers[0].self_attn  # head counts from the layer (a sharded one has fewer)
         super().__init__(kinds, attn.n_heads, attn.n_kv_heads, config.head_dim)
 
-    def prefill(self, inputs_embeds: mx.array, cache: list) -> mx.array:
+    def prefill(self, inputs_embeds: mx.array, cache: list, last: mx.array | None = None) -> mx.array:
         """One prefill pass over the model's own caches, as mlx-vlm's language model
-        runs it (the same masks, caches and attention), on the fused weights: the
-        hidden state of the pass's last position, before the final norm."""
+        runs it (the same masks, caches and attention), on the fused weights: each
+        row's hidden state at its position in ``last`` (default: the pass's last),
+        before the final norm."""
         text = self.lm.model
         h = inputs_embeds * self.embed_scale.astype(inputs_embeds.dtype)
         pattern = text.sliding_window_pattern
@@ -63,7 +64,10 @@ class Gemma3Decoder(StepDecoder):
         for layer, kind, layer_cache in zip(self.layers, self.layer_kinds, cache):
             mask = full_mask if kind.window is None else window_mask
             h = layer.prefill(h, B, L, mask, layer_cache)
-        return h.reshape(B, L, hidden)[:, -1, :]
+        h = h.reshape(B, L, hidden)
+        if last is None:
+            return h[:, -1, :]
+        return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0, :]
 
     def head_of(self, hidden: mx.array) -> mx.array:
         """Logits of last-position hidden states from ``prefill``."""
