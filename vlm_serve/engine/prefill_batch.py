@@ -12,7 +12,10 @@ pass per chunk per request, each paying its graph building on the host. Here:
   arguments of the same shapes (``Family.batch_signature``). Prompts of one length share
   every pass; prompts of different lengths share their leading full chunks, then go
   on from their own rows of the shared cache, in smaller groups where their next passes
-  still match, else alone. No padding and no masks: a row of a shared pass computes
+  still match, else alone. Where a family pads (``Family.pad_last_prefill``), last
+  passes of different lengths share one pass too: each prompt's tokens first and
+  zeros after, which causal attention never reads and which are trimmed from its cache
+  after, never where a sliding window would fill. A row of a shared pass computes
   exactly what it computes alone (the parity suite's burst cases prove it per family; a
   family batches only under its flags).
 
