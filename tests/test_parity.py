@@ -493,16 +493,19 @@ def test_prompts_of_different_lengths_share_a_padded_last_pass(burst):
         pytest.skip("this family shares only passes of one length")
     tokenizer = burst.ctx.processor.tokenizer
     texts = {"seed": "Say one word.", "pad-a": "Name a colour.", "pad-b": "Name two bright colours.",
-             "pad-c": "Which colour has the sky at noon?"}
+             "pad-c": "Which colour has the sky at noon?", "pad-long": LONG_TEXT[:90]}
     ids = {rid: tokenizer.encode(chat_prompt(burst.ctx, Case(rid, text)), add_special_tokens=False)
            for rid, text in texts.items()}
-    assert len({len(v) for k, v in ids.items() if k != "seed"}) == 3  # three lengths
+    assert len({len(v) for k, v in ids.items() if k != "seed"}) == 4  # four lengths
     # The first prompt leaves the chat template's opening in the prefix cache.
     run_burst(burst, [(_prepared_from_ids(burst, "seed", ids["seed"], 2), None, None)])
     rows, reused = scheduler.shared_prefill_rows, scheduler.prefix_cache.reused_tokens
+    # A longer prompt leads the burst and goes on in passes of its own (more than a
+    # prefill step of new tokens); the three after it still share their last pass.
+    burst_ids = ("pad-long", "pad-a", "pad-b", "pad-c")
     results = run_burst(burst, [(_prepared_from_ids(burst, rid, ids[rid], 6), None, None)
-                                for rid in ("pad-a", "pad-b", "pad-c")])
-    for rid in ("pad-a", "pad-b", "pad-c"):
+                                for rid in burst_ids])
+    for rid in burst_ids:
         assert results[rid]["tokens"] == _oracle_from_ids(burst, ids[rid], 6)
     assert scheduler.prefix_cache.reused_tokens > reused  # they went on from the prefix
     assert scheduler.shared_prefill_rows >= rows + 3  # ... in one pass of three rows

@@ -149,11 +149,15 @@ class PrefillGroup:
         # A padded pass is at most as long as the longest last pass of the group.
         longest = max((n for n, last in plans.values() if last), default=0)
 
-        def padded(member: Prefill) -> bool:
-            return self.family.pad_last_prefill and _fits_padded(member, plans[id(member)][1], longest)
+        def padded_together(a: Prefill, b: Prefill) -> bool:
+            # Within twice each other's length (so within four times the shortest of a
+            # pass that pads to its longest): padding costs a row little.
+            (na, last_a), (nb, last_b) = plans[id(a)], plans[id(b)]
+            return (self.family.pad_last_prefill and 2 * min(na, nb) >= max(na, nb)
+                    and _fits_padded(a, last_a, longest) and _fits_padded(b, last_b, longest))
 
         def same_pass(a: Prefill, b: Prefill) -> bool:
-            if plans[id(a)] != plans[id(b)] and not (padded(a) and padded(b)):
+            if plans[id(a)] != plans[id(b)] and not padded_together(a, b):
                 return False
             return signature(a) is not None and signature(a) == signature(b)
 
