@@ -52,8 +52,8 @@ class Family:
     batch_prefill = False  # text prompts share the language model's passes
     batch_prefill_images = False  # ... image prompts too
     batch_vision = False  # images of several requests share one vision-tower call
-    # Last passes of different lengths share a pass, each prompt's tokens first and
-    # padding after (causal attention never reads the padding; it is trimmed from each
+    # Last passes of different lengths (within twice each other) share a pass, each
+    # prompt's tokens first and padding after (causal attention never reads the padding; it is trimmed from each
     # cache after). Only with no argument that runs along the tokens, and where no
     # sliding window fills: proven exact per family by the parity suite's burst cases.
     pad_last_prefill = False
