@@ -53,9 +53,10 @@ class Family:
     batch_prefill_images = False  # ... image prompts too
     batch_vision = False  # images of several requests share one vision-tower call
     # Last passes of different lengths (within twice each other) share a pass, each
-    # prompt's tokens first and padding after (causal attention never reads the padding; it is trimmed from each
-    # cache after). Only with no argument that runs along the tokens, and where no
-    # sliding window fills: proven exact per family by the parity suite's burst cases.
+    # prompt's tokens first and padding after (causal attention never reads the
+    # padding; it is trimmed from each cache after). Only with no argument that runs
+    # along the tokens, and where no sliding window fills: proven exact per family by
+    # the parity suite's burst cases.
     pad_last_prefill = False
     # The language-model arguments a shared pass stacks, and their batch axis (None:
     # the language model does not read it). A prompt with any other argument is
