@@ -126,9 +126,9 @@ class PrefillGroup:
     def step(self) -> int:
         """One shared pass (the first call: ``start``) of the first member and those
         whose next pass is the very same (tokens, whether it is the last, argument
-        shapes), or, where the family pads, a last pass of any length. Returns the
-        pass's cost in prompt tokens: 0 when the first member has no one to share with
-        (it then steps alone)."""
+        shapes), or, where the family pads, a last pass within twice its length.
+        Returns the pass's cost in prompt tokens: 0 when the first member has no one to
+        share with (it then steps alone)."""
         self.shared_rows = self.shared_towers = 0
         if not any(m.started for m in self.members):
             return self.start()
