@@ -57,3 +57,23 @@ def test_prefill_on_fused_weights_equals_the_model_code(bits):
             got = _passes(model, family, rows, chunks)
             assert got.shape == (rows.shape[0], vocab)
             assert mx.array_equal(got, expected).item(), (bits, length, chunks, rows.shape)
+
+
+def test_padded_rows_take_their_own_last_logits_on_either_path():
+    """A pass of rows padded to one length gives each row the logits of its own last
+    token, through the decoder and through the model code alike."""
+    path = cached_model("gemma3")
+    reference, _ = vlm_load(str(path))
+    model, _ = vlm_load(str(path))
+    family = family_for(model)
+    vocab = reference.language_model.model.embed_tokens.weight.shape[0]
+    lengths = [9, 14]
+    ids = mx.random.randint(3, vocab, (2, max(lengths)), key=mx.random.key(7))
+    ends = mx.array([n - 1 for n in lengths], mx.int32)
+    for runner, lm_model in ((family, model), (_ModelCode(), reference)):
+        lm = lm_model.language_model
+        logits, _ = prefill_pass(lm_model, runner, ids, lm.model.embed_tokens(ids), lm.make_cache(), {},
+                                 last_positions=ends)
+        for row, n in enumerate(lengths):
+            alone = _passes(reference, _ModelCode(), ids[row:row + 1, :n], [n])
+            assert mx.array_equal(logits[row:row + 1], alone).item(), (type(runner).__name__, n)

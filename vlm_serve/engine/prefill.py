@@ -196,9 +196,11 @@ def prefill_pass(model, family, ids, embeds, cache, kwargs: dict, n_to_process: 
         lm(inputs=ids, inputs_embeds=embeds, cache=cache, n_to_process=n_to_process,
            logits_to_keep=1, **kwargs)
         return None
-    out = lm(ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs)
     if last_positions is None:
+        out = lm(ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs)
         return out.logits[:, -1, :], out
+    # Rows end at their own positions: every position's logits (no logits_to_keep).
+    out = lm(ids, inputs_embeds=embeds, cache=cache, **kwargs)
     return mx.take_along_axis(out.logits, last_positions[:, None, None], axis=1)[:, 0, :], out
 
 
