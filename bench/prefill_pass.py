@@ -22,9 +22,6 @@ from vlm_serve.engine.prefill import prefill_pass
 class _ModelCode:
     """A family whose prefill passes run through the model code."""
 
-    def __init__(self, family):
-        self.family = family
-
     def prefill_decoder(self, kwargs):
         return None
 
@@ -41,7 +38,7 @@ def main() -> None:
     family = family_for(model)
     if family.prefill_decoder({}) is None:
         raise SystemExit(f"{family.name}: no engine prefill pass")
-    paths = {"model code": _ModelCode(family), "engine": family}
+    paths = {"model code": _ModelCode(), "engine": family}
     vocab = lm.model.embed_tokens.weight.shape[0]  # ids past it would read outside the table
     results = []
     for length in map(int, args.lengths.split(",")):

@@ -146,15 +146,16 @@ class PrefillGroup:
                 signatures[id(member)] = self.family.batch_signature(member.chunk_inputs(n)[2])
             return signatures[id(member)]
 
-        # A padded pass is at most as long as the longest last pass of the group.
+        # Members whose next pass may be padded, to at most the longest last pass.
         longest = max((n for n, last in plans.values() if last), default=0)
+        paddable = ({id(m) for m in self.members if _fits_padded(m, plans[id(m)][1], longest)}
+                    if self.family.pad_last_prefill else set())
 
         def padded_together(a: Prefill, b: Prefill) -> bool:
             # Within twice each other's length (so within four times the shortest of a
             # pass that pads to its longest): padding costs a row little.
-            (na, last_a), (nb, last_b) = plans[id(a)], plans[id(b)]
-            return (self.family.pad_last_prefill and 2 * min(na, nb) >= max(na, nb)
-                    and _fits_padded(a, last_a, longest) and _fits_padded(b, last_b, longest))
+            na, nb = plans[id(a)][0], plans[id(b)][0]
+            return id(a) in paddable and id(b) in paddable and 2 * min(na, nb) >= max(na, nb)
 
         def same_pass(a: Prefill, b: Prefill) -> bool:
             if plans[id(a)] != plans[id(b)] and not padded_together(a, b):

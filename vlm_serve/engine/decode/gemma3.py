@@ -110,7 +110,7 @@ class _Layer:
         attn = self.attn
         B = x.shape[0]
         x = clip_residual(x)
-        q, k, v = mx.split(self.qkv(self._norm("input_layernorm", x)), self.qkv_split, axis=-1)
+        q, k, v = self._qkv(x)
         # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
         q = mx.fast.rms_norm(q.reshape(B, attn.n_heads, 1, -1), self.q_norm, self.eps)
         k = mx.fast.rms_norm(k.reshape(B, attn.n_kv_heads, 1, -1), self.k_norm, self.eps)
@@ -118,20 +118,14 @@ class _Layer:
         q = attn.rope(q, offset=positions)
         k = attn.rope(k, offset=positions)
         keys, values = write(index, k, v)
-        r = self.o_proj(attend(q, keys, values, attn.scale, visible))
-        h = clip_residual(x + self._norm("post_attention_layernorm", r))
-        gate, up = mx.split(
-            self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1
-        )
-        r = self.down_proj(_gelu_times(gate, up))
-        return clip_residual(h + self._norm("post_feedforward_layernorm", r))
+        return self._after_attention(x, self.o_proj(attend(q, keys, values, attn.scale, visible)))
 
     def prefill(self, x: mx.array, B: int, L: int, mask, cache) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
         ``TransformerBlock`` on the fused weights)."""
         attn = self.attn
         x = clip_residual(x)
-        q, k, v = mx.split(self.qkv(self._norm("input_layernorm", x)), self.qkv_split, axis=-1)
+        q, k, v = self._qkv(x)
         q = mx.fast.rms_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3), self.q_norm, self.eps)
         k = mx.fast.rms_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3), self.k_norm, self.eps)
         v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -141,7 +135,15 @@ class _Layer:
         if isinstance(mask, mx.array) and mask.shape[-1] != kv_sequence_length(keys):
             mask = mask[..., -kv_sequence_length(keys):]
         out = scaled_dot_product_attention(q, keys, values, cache, scale=attn.scale, mask=mask)
-        r = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, -1))
+        return self._after_attention(x, self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, -1)))
+
+    def _qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values of ``x`` (2-D), from the one fused projection."""
+        return mx.split(self.qkv(self._norm("input_layernorm", x)), self.qkv_split, axis=-1)
+
+    def _after_attention(self, x: mx.array, r: mx.array) -> mx.array:
+        """The layer's output from its input ``x`` and attention output ``r``: the
+        residuals and the MLP."""
         h = clip_residual(x + self._norm("post_attention_layernorm", r))
         gate, up = mx.split(
             self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1
