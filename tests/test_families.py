@@ -43,6 +43,9 @@ SLOW_VISION = set() if os.environ.get("VLM_SERVE_SLOW_TESTS") else {"phi3_v"}
 # with ``batch_prefill_images`` carry an argument no pass stacks, e.g. Mistral 3's
 # image_sizes, and prefill image prompts alone).
 SHARED_IMAGE_PASSES = {"gemma3", "gemma4", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+# Families whose last passes of different lengths share one padded pass
+# (``Family.pad_last_prefill``), proven by the padded-pass burst below.
+PADDED_LAST_PASSES = {"gemma3", "llava", "idefics3", "smolvlm", "internvl_chat", "mistral3"}
 
 
 class FamilyHarness:
@@ -182,6 +185,38 @@ def test_image_burst_shares_passes_and_matches_mlx_vlm(family, kind):
         assert scheduler.shared_prefill_rows > rows  # image prompts really shared passes
     if scheduler.family.batch_vision:
         assert scheduler.shared_tower_requests > towers  # ... and tower calls
+
+
+def test_prompts_of_different_lengths_share_a_padded_last_pass(family):
+    """Prompts that go on from one cached prompt with different numbers of new tokens
+    (within twice each other) share one last pass where the family pads it (each
+    prompt's tokens first, the padding trimmed from its cache after); each gets mlx-vlm's
+    tokens alone. Raw token ids, no chat template: the prompts end inside the fixtures'
+    sliding windows (24 tokens for Ministral 3, 32 for Gemma 3), where padding is allowed."""
+    from vlm_serve.engine.types import PreparedRequest
+
+    scheduler = family.engine.scheduler
+    if family.arch not in PADDED_LAST_PASSES:
+        assert not scheduler.family.pad_last_prefill  # on only where this test proves it
+        pytest.skip("this family shares only last passes of one length")
+    tokenizer = getattr(family.ctx.processor, "tokenizer", family.ctx.processor)
+    seed = tokenizer.encode("Hi!")
+
+    def prepared(rid: str, ids: list[int], max_tokens: int) -> PreparedRequest:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return PreparedRequest(rid, np.array(ids, np.int32), params)
+
+    # The seed leaves its KV in the prefix cache; the burst goes on from its end.
+    run_jobs(family.engine, [(prepared("pad-seed", seed, 2), None, None)])
+    tails = {"pad-a": " Tell me more.", "pad-b": " Name a colour.", "pad-c": " Go on, and say more."}
+    prompts = {rid: seed + tokenizer.encode(t, add_special_tokens=False) for rid, t in tails.items()}
+    new = sorted(len(ids) - len(seed) for ids in prompts.values())
+    assert len(set(new)) == 3 and 2 * new[0] >= new[-1]  # three lengths, within twice
+    jobs = [(prepared(rid, ids, 6), None, None) for rid, ids in prompts.items()]
+    rows, reused = scheduler.shared_prefill_rows, scheduler.prefix_cache.reused_tokens
+    _burst_matches_alone(family, jobs)
+    assert scheduler.prefix_cache.reused_tokens - reused >= 3 * len(seed)  # from the seed
+    assert scheduler.shared_prefill_rows >= rows + 3  # ... in one padded pass of three rows
 
 
 def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):

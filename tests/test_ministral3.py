@@ -28,6 +28,7 @@ from test_families import (  # noqa: F401 - collected here with this module's `f
     test_burst_prefilled_together_matches_mlx_vlm,
     test_image_chat_turn_two_reuses_its_prefix_and_matches_mlx_vlm,
     test_mixed_batch_with_joining_rows_matches_mlx_vlm,
+    test_prompts_of_different_lengths_share_a_padded_last_pass,
     test_text_prompt_extending_a_cached_one_matches_mlx_vlm,
 )
 
