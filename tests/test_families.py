@@ -239,8 +239,9 @@ def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):
 
 def test_image_chat_turn_two_reuses_its_prefix_and_matches_mlx_vlm(family):
     """Turn 2 of an image chat (same image, the answer and a new question) starts from
-    turn 1's cache; the same conversation with another image reuses at most the text
-    before the image."""
+    turn 1's cache (where the family embeds the text after cached images alone, without
+    even looking its images up); the same conversation with another image reuses at
+    most the text before the image."""
     if family.arch in SLOW_VISION:
         pytest.skip("image requests of this family run only with VLM_SERVE_SLOW_TESTS=1")
     question = [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]
@@ -260,11 +261,15 @@ def test_image_chat_turn_two_reuses_its_prefix_and_matches_mlx_vlm(family):
         params = SamplingParams(max_tokens=8, temperature=0.0)
         second = prepare_prompt(family.ctx, rid, prompt, params, [make_image(64, 48, seed)])
         before = cache.reused_tokens if cache else 0
+        vision = scheduler.family.vision_cache
+        lookups = vision.hits + vision.misses
         result = run_jobs(family.engine, [(second, None, None)])[rid]
         assert result["tokens"] == family.oracle(second), rid
         reused = (cache.reused_tokens if cache else 0) - before
         if rid == "img-turn-2" and reuses_images:
             assert reused > before_image  # past the image: its KV came from turn 1
+            if scheduler.family.text_after_cached_images:
+                assert vision.hits + vision.misses == lookups  # no features needed
         else:
             assert reused <= before_image  # never past the first image placeholder
 

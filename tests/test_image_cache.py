@@ -20,7 +20,7 @@ from vlm_serve.fixtures.build import ARCHS, cached_model
 from vlm_serve.preprocess import media
 from vlm_serve.preprocess.image_cache import ImageCache
 from vlm_serve.preprocess.media import MediaError, MediaPolicy, PixelBudget
-from vlm_serve.preprocess.prompt import PromptContext, load_chat_image, prepare_prompt, render_chat
+from vlm_serve.preprocess.prompt import PromptContext, PromptError, load_chat_image, prepare_prompt, render_chat
 
 
 def context(arch: str, cache: ImageCache | None, **policy) -> PromptContext:
@@ -71,6 +71,55 @@ def test_a_resent_image_is_served_from_the_cache_with_the_processors_own_output(
     assert_same_inputs(first, expected)
     assert_same_inputs(second, expected)
     assert first.image_digests == second.image_digests
+
+
+def test_cached_pixels_reach_the_request_without_a_round_trip_through_mlx():
+    """mlx-vlm's Gemma 3 processor converts its outputs to MLX arrays: the cached pixels
+    pass through it held, so every request with the image gets the cached array itself
+    (read-only), not a copy made through MLX."""
+    ctx = context("gemma3", ImageCache(16, 1 << 30))
+    url = data_url(make_image(64, 48, 1))
+    first, second = prepare(ctx, [url]), prepare(ctx, [url])
+    pixels = first.model_inputs["pixel_values"]
+    assert np.shares_memory(pixels, second.model_inputs["pixel_values"])
+    assert not pixels.flags.writeable
+
+
+def test_a_processor_that_refuses_held_pixels_gets_plain_ones(monkeypatch, caplog):
+    """A processor that fails on a held array (none of the fixtures' does: a Gemma 3
+    processor whose output conversion checks the pixels' type stands in for one) is
+    handed plain arrays from then on, and the request still gets the processor's own
+    output."""
+    import mlx_vlm.models.gemma3.processing_gemma3 as gemma3_processing
+
+    convert = gemma3_processing.to_mlx
+
+    def picky(data):
+        if not isinstance(data["pixel_values"], (list, np.ndarray)):
+            raise TypeError("pixels must be a list or an array")
+        return convert(data)
+
+    monkeypatch.setattr(gemma3_processing, "to_mlx", picky)
+    cache = ImageCache(16, 1 << 30)
+    cached, plain = context("gemma3", cache), context("gemma3", None)
+    url = data_url(make_image(64, 48, 1))
+    assert cached.request_processor.image_processor.hand_over
+    assert_same_inputs(prepare(cached, [url]), prepare(plain, [url]))
+    assert not cached.request_processor.image_processor.hand_over
+    assert "does not take held pixels" in caplog.text
+    assert_same_inputs(prepare(cached, [url]), prepare(plain, [url]))
+
+
+def test_a_request_the_processor_refuses_leaves_held_pixels_on():
+    """A request whose inputs the processor refuses with plain pixels too is the
+    request's fault: it gets a clear error, and held pixels stay on for the rest."""
+    ctx = context("gemma3", ImageCache(16, 1 << 30))
+    url = data_url(make_image(64, 48, 1))
+    prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "text", "text": "No image here."}]}])
+    image = load_chat_image(ctx, (url, "p", None), None)
+    with pytest.raises(PromptError, match="could not process the request's inputs"):
+        prepare_prompt(ctx, "r", prompt, SamplingParams(), [image])  # an image, no placeholder
+    assert ctx.request_processor.image_processor.hand_over
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2_5_vl"])

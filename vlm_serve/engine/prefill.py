@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
+import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
 from .families import Family
@@ -40,6 +41,7 @@ class Prefill:
         )
         self.prefix_cache = prefix_cache if usable else None
         self.reused = 0  # prompt tokens whose KV came from the prefix cache
+        self._found: tuple[list | None, int] | None = None  # the prefix lookup, once made
         self.position = 0  # prompt tokens in the cache so far
         self.cache = vlm_cache.make_prompt_cache(model.language_model)
         self.input_ids: mx.array | None = None
@@ -71,9 +73,13 @@ class Prefill:
 
     def materialize(self) -> tuple[dict, object]:
         """The request's inputs as mx.arrays, and its image features where the vision
-        cache holds them: then its pixels are never converted (they would go unused)."""
+        cache holds them: then its pixels are never converted (they would go unused).
+        Neither where the prompt's images all lie in its cached prefix and the family
+        embeds the text after them alone (``Family.text_after_cached_images``)."""
         req = self.request
         self.input_ids = mx.array(req.input_ids, dtype=mx.int32)[None]
+        if self._text_after_cached_images():
+            return {}, None
         features = self.family.cached_features(req.image_digests) if req.has_media else None
         inputs = {
             k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
@@ -84,24 +90,42 @@ class Prefill:
 
     def embed(self, inputs: dict, features=None) -> int:
         """Embed the prompt (``features``: its images' projected features, already
-        computed) and look its prefix up; returns the cost in prompt tokens."""
+        computed), or only what its cached prefix does not hold; returns the cost in
+        prompt tokens."""
         req = self.request
-        self.embeds, self.kwargs = self.family.embed(self.input_ids, inputs, req.image_digests, features)
-        self.chunked = self.family.can_chunk_prefill(
-            self.input_ids, self.embeds, self.cache, self.kwargs
-        )
-        if self.prefix_cache is not None:
-            cache, self.reused = self.prefix_cache.lookup(self._key())
-            if cache is not None:
-                # Only the rest is prefilled. Position metadata in kwargs stays that of the
-                # whole prompt: the models slice it by the cache offset, as mlx-vlm's own
-                # prompt caching does.
-                self.cache = cache
-                self.position = self.reused
-                self.input_ids = self.input_ids[:, self.reused:]
-                self.embeds = self.embeds[:, self.reused:]
+        cache, reused = self._look_up()
+        text_only = self._text_after_cached_images()
+        ids = self.input_ids[:, reused:] if text_only else self.input_ids
+        self.embeds, self.kwargs = self.family.embed(ids, inputs, () if text_only else req.image_digests, features)
+        self.chunked = self.family.can_chunk_prefill(ids, self.embeds, self.cache, self.kwargs)
+        if cache is not None:
+            # Only the rest is prefilled. Position metadata in kwargs stays that of the
+            # whole prompt: the models slice it by the cache offset, as mlx-vlm's own
+            # prompt caching does.
+            self.cache = cache
+            self.position = reused
+            self.input_ids = self.input_ids[:, reused:]
+            if not text_only:
+                self.embeds = self.embeds[:, reused:]
         mx.async_eval(self.embeds)
         return req.num_prompt_tokens if req.has_media else 1
+
+    def _look_up(self) -> tuple[list | None, int]:
+        """The cache of this prompt's longest stored prefix and its length (looked up
+        once: a lookup copies the cache)."""
+        if self._found is None:
+            found = self.prefix_cache.lookup(self._key()) if self.prefix_cache is not None else None
+            self._found = found if found is not None and found[0] is not None else (None, 0)
+            self.reused = self._found[1]
+        return self._found
+
+    def _text_after_cached_images(self) -> bool:
+        req = self.request
+        if not (req.has_media and self.family.text_after_cached_images):
+            return False
+        _, reused = self._look_up()
+        images = np.flatnonzero(np.isin(req.input_ids, list(self.family.image_token_ids)))
+        return reused > 0 and images.size > 0 and images[-1] < reused
 
     def remember(self) -> None:
         """Offer this prompt's finished cache to the prefix cache."""

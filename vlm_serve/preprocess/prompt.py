@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,9 +18,11 @@ from mlx_vlm.utils import should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
 from .chat_format import ChatFormat, processor_template
-from .image_cache import CachingProcessor, ImageCache
+from .image_cache import CachingProcessor, ImageCache, handing_over
 from .media import MediaError, MediaPolicy, PixelBudget, cache_digest, load_image
 from .tool_prompt import inline_tools, text_of
+
+log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -162,12 +165,32 @@ def tokenize(
         tokenizer = getattr(processor, "tokenizer", processor)
         ids = tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
         return np.asarray(ids, dtype=np.int32).reshape(-1), {}
-    inputs = _process(ctx.request_processor, prompt, images, add_special)
+    inputs = _process_images(ctx, prompt, images, add_special)
     if "images" in inputs:
         inputs["pixel_values"] = inputs.pop("images")
     ids = _to_numpy(inputs.pop("input_ids")).astype(np.int32).reshape(-1)
     model_inputs = {k: _to_numpy(v) for k, v in inputs.items() if v is not None}
     return ids, model_inputs
+
+
+def _process_images(ctx: PromptContext, prompt: str, images: list, add_special: bool) -> dict:
+    """The request processor's call, again with plain pixels where it failed on held
+    ones (``image_cache.HeldArray``): then it gets plain ones from then on."""
+    try:
+        return _process(ctx.request_processor, prompt, images, add_special)
+    except Exception:
+        holder = handing_over(ctx.request_processor)
+        if holder is None:
+            raise
+        holder.hand_over = False
+        try:
+            inputs = _process(ctx.request_processor, prompt, images, add_special)
+        except Exception:
+            holder.hand_over = True  # the request's inputs were at fault, not held pixels
+            raise
+        log.warning("%s does not take held pixels; handing it plain arrays",
+                    type(ctx.processor).__name__)
+        return inputs
 
 
 def _process(processor, prompt: str, images: list, add_special: bool) -> dict:

@@ -43,6 +43,10 @@ class Family:
     batched = True  # rows share one batched decode step
     prefix_cache = True  # prompts may start from a cached prefix
     image_prefix_cache = True  # ... prompts with images too (keyed by their digests)
+    # A prompt whose images all lie in its cached prefix embeds only its text after it:
+    # no pixels, no features. Only where a text token's embedding and the language
+    # model's arguments do not depend on the images (no positions that run along them).
+    text_after_cached_images = False
     # The engine-owned decode step (``engine/decode``), if the family has one; None:
     # decode through mlx-vlm's model code on mlx-lm's batch caches.
     decoder_class = None

@@ -17,6 +17,7 @@ class Gemma3(Family):
     decoder_class = Gemma3Decoder
     batch_prefill = batch_prefill_images = batch_vision = True
     pad_last_prefill = True
+    text_after_cached_images = True
     # attention_mask_4d (get_input_embeddings' padding mask) is not read by the text model.
     prefill_batch_axes = {"attention_mask_4d": None}
 

@@ -18,6 +18,7 @@ class LlamaText(Family):
     # tokens; rotary positions and Ministral 3's query scale from the cache offset, the
     # same for every row), so a right-padded last pass is exact.
     pad_last_prefill = True
+    text_after_cached_images = True  # (for the same reason)
     # Vision-side inputs get_input_embeddings passes on; the text model reads none.
     prefill_batch_axes = {"pixel_attention_mask": None, "num_patches_list": None,
                           "image_token_index": None}
