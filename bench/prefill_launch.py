@@ -1,0 +1,83 @@
+"""Host time to launch one last prefill pass: a prompt going on from a cached prefix
+(as turn 2 of a chat does) against one on fresh caches, with the same shapes every
+time and with new shapes every time (another cached length, another number of new
+tokens). On MLX a pass is launched node by node on the host; where the device finishes
+right after ``mx.async_eval`` returns, the pass is bound by that launch.
+
+    python bench/prefill_launch.py --model DIR
+
+Per pass: building the graph, then ``mx.async_eval``'s wall and CPU time, the wait for
+the device after it, and the graph's nodes (first pass of each series).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+import time
+
+import mlx.core as mx
+from mlx_vlm import load
+
+from vlm_serve.engine.families import family_for
+from vlm_serve.engine.prefill import prefill_pass
+from vlm_serve.engine.prefix_cache import PrefixCache
+
+
+def nodes(*outputs) -> int:
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        return len(re.findall(r'label ="([^"]+)"', f.read()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+    model, _ = load(args.model)
+    lm = model.language_model
+    family = family_for(model)
+    limit = min(1000, lm.model.embed_tokens.weight.shape[0])  # ids past the table read garbage
+
+    def tokens(n: int, seed: int) -> mx.array:
+        return mx.random.randint(10, limit, (1, n), key=mx.random.key(seed))
+
+    def continuing(offset: int) -> list:
+        """A cache of ``offset`` tokens as the prefix cache hands it out."""
+        ids = tokens(offset, offset)
+        cache = lm.make_cache()
+        prefill_pass(model, family, ids, lm.model.embed_tokens(ids), cache, {}, n_to_process=offset)
+        mx.eval([c.state for c in cache])
+        prefixes = PrefixCache(8, 1 << 40)
+        prefixes.store(ids[0].tolist(), cache)
+        return prefixes.lookup(ids[0].tolist() + [5])[0]
+
+    def series(label: str, cases: list[tuple[int, int]]) -> None:
+        for i, (offset, n) in enumerate(cases):
+            cache = continuing(offset) if offset else lm.make_cache()
+            ids = tokens(n, n)
+            mx.synchronize()
+            start = time.perf_counter()
+            logits, _ = prefill_pass(model, family, ids, lm.model.embed_tokens(ids), cache, {})
+            built = time.perf_counter()
+            count = nodes(logits) if i == 0 else None
+            wall, cpu = time.perf_counter(), time.thread_time()
+            mx.async_eval(logits)
+            launched, cpu_used = time.perf_counter(), time.thread_time() - cpu
+            mx.eval(logits)
+            done = time.perf_counter()
+            print(f"{label:20s} cached {offset:4d} new {n:3d}: build {1000 * (built - start):5.2f} ms, "
+                  f"async_eval {1000 * (launched - wall):6.2f} ms (cpu {1000 * cpu_used:6.2f}), "
+                  f"device after it {1000 * (done - launched):5.2f} ms"
+                  + (f", {count} nodes" if count else ""))
+
+    series("warm-up", [(288, 64)] * 2)
+    series("continuing, same", [(288, 64)] * 5)
+    series("continuing, new", [(288 + 7 * i, 60 + 3 * i) for i in range(1, 7)])
+    series("fresh, same", [(0, 64)] * 4)
+    series("fresh, new", [(0, 61 + 3 * i) for i in range(1, 5)])
+
+
+if __name__ == "__main__":
+    main()
