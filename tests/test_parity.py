@@ -256,6 +256,23 @@ def test_seeded_sampling_same_alone_and_batched(harness):
     assert again == alone
 
 
+def test_from_an_idle_batch_first_tokens_come_before_any_decode_step(harness, monkeypatch):
+    """A prompt that joins an idle batch has its first token read back before the
+    batch's first decode step is built: a one-token request ends with no decode step
+    at all, and a longer one still gives the oracle's tokens."""
+    steps = []
+    monkeypatch.setattr(harness.engine.scheduler, "fault_hook",
+                        lambda phase, states: steps.append(len(states)) if phase == "decode" else None)
+    one = Case("one-token", "Say one word.", max_tokens=1)
+    result = run_jobs(harness.engine, [(harness.prepare(one, "one-token"), None, None)])["one-token"]
+    _assert_matches_oracle(harness, one, result)
+    assert steps == []
+    more = Case("more-tokens", "Say one word.", max_tokens=5)
+    result = run_jobs(harness.engine, [(harness.prepare(more, "more-tokens"), None, None)])["more-tokens"]
+    _assert_matches_oracle(harness, more, result)
+    assert steps and set(steps) == {1}
+
+
 def test_repeated_images_reuse_vision_features_and_match_oracle(harness, monkeypatch):
     """A conversation resends its image every turn: the second time the vision tower
     does not run (its features come from the vision cache, or the prefix cache holds
