@@ -256,10 +256,11 @@ def test_seeded_sampling_same_alone_and_batched(harness):
     assert again == alone
 
 
-def test_from_an_idle_batch_first_tokens_come_before_any_decode_step(harness, monkeypatch):
-    """A prompt that joins an idle batch has its first token read back before the
-    batch's first decode step is built: a one-token request ends with no decode step
-    at all, and a longer one still gives the oracle's tokens."""
+def test_a_batch_of_joining_rows_only_reads_first_tokens_before_any_decode_step(harness, monkeypatch):
+    """A prompt that joins a batch with no other row (idle, or its last rows just
+    left) has its first token read back before the batch's next decode step is built:
+    a one-token request ends with no decode step at all, and a longer one still gives
+    the oracle's tokens."""
     steps = []
     monkeypatch.setattr(harness.engine.scheduler, "fault_hook",
                         lambda phase, states: steps.append(len(states)) if phase == "decode" else None)

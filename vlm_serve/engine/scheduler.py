@@ -598,10 +598,12 @@ class Scheduler:
                         self._process(step)
                 self._inflight = self._launch() if self.running else None
                 return
-            if self._inflight is None:
-                # From idle, the joining rows are the whole batch: their first tokens
-                # go out before the first step is built (7-10 ms of host time for one
-                # row on an H100), as no running row waits on that step.
+            joined = {id(s) for step in joining for s in step.states}
+            if joining and all(id(s) in joined for s in self.running):
+                # The joining rows are the whole batch (it was idle, or its last rows
+                # just left): their first tokens go out before its next step is built
+                # (7-10 ms of host time for one row on an H100), as no other row waits
+                # on that step. A step still in flight holds only rows that left.
                 for step in joining:
                     self._process(step)
                 joining = []
