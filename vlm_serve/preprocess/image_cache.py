@@ -33,15 +33,14 @@ from ..lru import SizedLRU
 
 log = logging.getLogger(__name__)
 
-# The source key rides on the PIL image object itself: an attribute (unlike
-# ``image.info``) is not copied onto images derived from it by convert/resize/copy.
-_KEY_ATTR = "_vlm_serve_source_key"
-
-
 try:  # BLAKE3 hashes a resent multi-megabyte data URL in a third of SHA-256's time
     from blake3 import blake3 as _content_hash
 except ImportError:  # not installed: the standard library's
     _content_hash = hashlib.sha256
+
+# The source key rides on the PIL image object itself: an attribute (unlike
+# ``image.info``) is not copied onto images derived from it by convert/resize/copy.
+_KEY_ATTR = "_vlm_serve_source_key"
 
 
 def source_key(kind: str, source: bytes, settings: str) -> str:
