@@ -13,6 +13,7 @@ prefill only what the cache does not hold, then in one pass where it can
 from __future__ import annotations
 
 import copy
+import functools
 
 import mlx.core as mx
 import numpy as np
@@ -78,7 +79,7 @@ class Prefill:
         embeds the text after them alone (``Family.text_after_cached_images``)."""
         req = self.request
         self.input_ids = mx.array(req.input_ids, dtype=mx.int32)[None]
-        if self._text_after_cached_images():
+        if self._text_after_cached_images:
             return {}, None
         features = self.family.cached_features(req.image_digests) if req.has_media else None
         inputs = {
@@ -94,7 +95,7 @@ class Prefill:
         prompt tokens."""
         req = self.request
         cache, reused = self._look_up()
-        text_only = self._text_after_cached_images()
+        text_only = self._text_after_cached_images
         ids = self.input_ids[:, reused:] if text_only else self.input_ids
         self.embeds, self.kwargs = self.family.embed(ids, inputs, () if text_only else req.image_digests, features)
         self.chunked = self.family.can_chunk_prefill(ids, self.embeds, self.cache, self.kwargs)
@@ -119,7 +120,10 @@ class Prefill:
             self.reused = self._found[1]
         return self._found
 
+    @functools.cached_property
     def _text_after_cached_images(self) -> bool:
+        """Whether the prompt's images all lie in its cached prefix and the family
+        embeds the text after them alone (decided once, with the lookup)."""
         req = self.request
         if not (req.has_media and self.family.text_after_cached_images):
             return False
