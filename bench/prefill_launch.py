@@ -13,22 +13,16 @@ the device after it, and the graph's nodes (first pass of each series).
 from __future__ import annotations
 
 import argparse
-import re
-import tempfile
 import time
 
 import mlx.core as mx
+from count_nodes import count  # noqa: E402 - run from bench/ or with it on the path
 from mlx_vlm import load
+from step_breakdown import id_limit  # noqa: E402
 
 from vlm_serve.engine.families import family_for
 from vlm_serve.engine.prefill import prefill_pass
 from vlm_serve.engine.prefix_cache import PrefixCache
-
-
-def nodes(*outputs) -> int:
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, *outputs)
-        return len(re.findall(r'label ="([^"]+)"', f.read()))
 
 
 def main() -> None:
@@ -38,7 +32,7 @@ def main() -> None:
     model, _ = load(args.model)
     lm = model.language_model
     family = family_for(model)
-    limit = min(1000, lm.model.embed_tokens.weight.shape[0])  # ids past the table read garbage
+    limit = id_limit(model)
 
     def tokens(n: int, seed: int) -> mx.array:
         return mx.random.randint(10, limit, (1, n), key=mx.random.key(seed))
@@ -61,7 +55,7 @@ def main() -> None:
             start = time.perf_counter()
             logits, _ = prefill_pass(model, family, ids, lm.model.embed_tokens(ids), cache, {})
             built = time.perf_counter()
-            count = nodes(logits) if i == 0 else None
+            nodes = sum(count(logits).values()) if i == 0 else None
             wall, cpu = time.perf_counter(), time.thread_time()
             mx.async_eval(logits)
             launched, cpu_used = time.perf_counter(), time.thread_time() - cpu
@@ -70,7 +64,7 @@ def main() -> None:
             print(f"{label:20s} cached {offset:4d} new {n:3d}: build {1000 * (built - start):5.2f} ms, "
                   f"async_eval {1000 * (launched - wall):6.2f} ms (cpu {1000 * cpu_used:6.2f}), "
                   f"device after it {1000 * (done - launched):5.2f} ms"
-                  + (f", {count} nodes" if count else ""))
+                  + (f", {nodes} nodes" if nodes else ""))
 
     series("warm-up", [(288, 64)] * 2)
     series("continuing, same", [(288, 64)] * 5)
