@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ def mark(label: str) -> None:
 
 def timed(owner, name: str, label: str) -> None:
     original = getattr(owner, name)
-    if hasattr(original, "__code__") and original.__code__.co_flags & 0x80:  # a coroutine
+    if inspect.iscoroutinefunction(original):
         @functools.wraps(original)
         async def wrapper(*args, **kwargs):
             mark(label + " >")
