@@ -28,6 +28,10 @@ from vlm_serve.engine.prefix_cache import PrefixCache
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
+    parser.add_argument("--only", choices=["same", "new", "new-offset", "new-length"], default=None,
+                        help="only continuing passes: repeating shapes, new ones, or a new cached "
+                             "length or a new number of new tokens alone")
+    parser.add_argument("--passes", type=int, default=6, help="passes per series")
     args = parser.parse_args()
     model, _ = load(args.model)
     lm = model.language_model
@@ -66,11 +70,19 @@ def main() -> None:
                   f"device after it {1000 * (done - launched):5.2f} ms"
                   + (f", {nodes} nodes" if nodes else ""))
 
+    n = args.passes
     series("warm-up", [(288, 64)] * 2)
-    series("continuing, same", [(288, 64)] * 5)
-    series("continuing, new", [(288 + 7 * i, 60 + 3 * i) for i in range(1, 7)])
-    series("fresh, same", [(0, 64)] * 4)
-    series("fresh, new", [(0, 61 + 3 * i) for i in range(1, 5)])
+    if args.only in (None, "same"):
+        series("continuing, same", [(288, 64)] * n)
+    if args.only in (None, "new"):
+        series("continuing, new", [(288 + 7 * i, 60 + 3 * i) for i in range(1, n + 1)])
+    if args.only == "new-offset":
+        series("new cached length", [(288 + 7 * i, 64) for i in range(1, n + 1)])
+    if args.only == "new-length":
+        series("new token count", [(288, 60 + 3 * i) for i in range(1, n + 1)])
+    if args.only is None:
+        series("fresh, same", [(0, 64)] * n)
+        series("fresh, new", [(0, 61 + 3 * i) for i in range(1, n + 1)])
 
 
 if __name__ == "__main__":

@@ -219,6 +219,55 @@ def test_prompts_of_different_lengths_share_a_padded_last_pass(family):
     assert scheduler.shared_prefill_rows >= rows + 3  # ... in one padded pass of three rows
 
 
+def test_bucketed_last_passes_pad_to_a_coarse_length(family, monkeypatch):
+    """Where last passes are bucketed (the default on a GPU), a prompt going on from a
+    cached one runs its last pass padded to a coarse length, alone and in a burst of
+    three lengths (each prompt's tokens first, the padding trimmed from its cache
+    after); each gets mlx-vlm's tokens alone. Only families whose own decoder runs the
+    pass (Gemma 3); the rest run their passes at their lengths."""
+    from vlm_serve.engine import prefill, prefill_batch
+    from vlm_serve.engine.types import PreparedRequest
+
+    scheduler = family.engine.scheduler
+    if not (scheduler.family.pad_last_prefill and scheduler.family.prefill_decoder({})):
+        pytest.skip("this family's last passes run at their own length")
+    monkeypatch.setattr(scheduler.config, "bucket_last_passes", True)
+    passes = []  # (tokens, rows' last positions) of each last pass
+
+    def spy(original):
+        def run(model, fam, ids, embeds, cache, kwargs, n_to_process=None, last_positions=None):
+            if n_to_process is None:
+                ends = None if last_positions is None else last_positions.tolist()
+                passes.append((embeds.shape[1], ends))
+            return original(model, fam, ids, embeds, cache, kwargs, n_to_process, last_positions)
+        return run
+
+    monkeypatch.setattr(prefill, "prefill_pass", spy(prefill.prefill_pass))
+    monkeypatch.setattr(prefill_batch, "prefill_pass", spy(prefill_batch.prefill_pass))
+    tokenizer = getattr(family.ctx.processor, "tokenizer", family.ctx.processor)
+    seed = tokenizer.encode("Pad me!")  # a prefix no other test caches
+
+    def prepared(rid: str, tail: str, max_tokens: int) -> PreparedRequest:
+        ids = seed + tokenizer.encode(tail, add_special_tokens=False) if tail else seed
+        return PreparedRequest(rid, np.array(ids, np.int32), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+    run_jobs(family.engine, [(prepared("bucket-seed", "", 2), None, None)])
+    alone = prepared("bucket-alone", " Pad this one, then.", 6)
+    passes.clear()
+    reused = scheduler.prefix_cache.reused_tokens
+    assert run_jobs(family.engine, [(alone, None, None)])["bucket-alone"]["tokens"] == family.oracle(alone)
+    new = len(alone.input_ids) - (scheduler.prefix_cache.reused_tokens - reused)
+    assert 1 < new < prefill.PASS_STEP
+    assert passes == [(prefill.PASS_STEP, [new - 1])]  # padded, its logits from its own end
+
+    tails = {"bucket-a": " Buckets one.", "bucket-b": " Buckets two.", "bucket-c": " Buckets three, longer."}
+    jobs = [(prepared(rid, tail, 6), None, None) for rid, tail in tails.items()]
+    passes.clear()
+    _burst_matches_alone(family, jobs)
+    # One padded pass of three rows, each taking its logits at its own end.
+    assert any(n == prefill.PASS_STEP and len(e or []) == 3 and min(e) < max(e) for n, e in passes), passes
+
+
 def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):
     """Turn 2 of a text chat starts from turn 1's cached prefix where the family allows."""
     first = family.prepare("turn-1", LONG_TEXT[:300], max_tokens=4)

@@ -94,6 +94,7 @@ def build_engine(config: ServerConfig, parallel=None) -> Engine:
             max_num_seqs=config.max_num_seqs,
             prefill_step_size=config.prefill_step_size or default_prefill_step(),
             prefill_token_budget=config.prefill_token_budget or default_prefill_budget(),
+            bucket_last_passes=on_gpu(),
             prefix_cache_entries=config.prefix_cache_size,
             prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)),
             kv_cache_memory=config.kv_cache_memory,

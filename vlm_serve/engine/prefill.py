@@ -7,7 +7,9 @@ ever computed. The scheduler runs chunks up to a token budget between decode ste
 running streams keep flowing while a long prompt is prefilled. A prompt may start from
 the prefix cache (keyed by its tokens and, where it has images, their digests) and
 prefill only what the cache does not hold, then in one pass where it can
-(``_rest_in_one_pass``).
+(``_rest_in_one_pass``). Where last passes are bucketed (on a GPU), a last pass is
+padded to a coarse length so its shapes repeat from prompt to prompt
+(``last_pass_length``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
+from .decode.store import round_up_coarsely
 from .families import Family
 from .prefix_cache import PrefixCache, prefix_key
 from .types import PreparedRequest
+
+# Bucketed last passes are padded in steps of at least this many tokens.
+PASS_STEP = 16
 
 
 class Prefill:
@@ -32,11 +38,13 @@ class Prefill:
         request: PreparedRequest,
         step_size: int,
         prefix_cache: PrefixCache | None = None,
+        bucket_last_pass: bool = False,
     ):
         self.model = model
         self.family = family
         self.request = request
         self.step_size = max(1, step_size)
+        self.bucket_last_pass = bucket_last_pass  # see ``last_pass_length``
         usable = family.prefix_cache and (
             not request.has_media or (family.image_prefix_cache and family.image_token_ids)
         )
@@ -202,7 +210,15 @@ class Prefill:
             return n
         if n == 1:
             self.keep_short_cache()
-        logits, out = prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs)
+        padded = last_pass_length([self], n, kwargs)
+        ends = None
+        if padded > n:
+            ids, embeds, ends = pad_tokens(ids, padded), pad_tokens(embeds, padded), mx.array([n - 1])
+        logits, out = prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs,
+                                   last_positions=ends)
+        if padded > n:
+            for layer in self.cache:
+                layer.trim(padded - n)  # the padding: the cache ends where the prompt does
         self.advance(n)
         self.finish(logits, self.family.row_state(self.kwargs, out))
         return n
@@ -230,6 +246,38 @@ def prefill_pass(model, family, ids, embeds, cache, kwargs: dict, n_to_process: 
     # Rows end at their own positions: every position's logits (no logits_to_keep).
     out = lm(ids, inputs_embeds=embeds, cache=cache, **kwargs)
     return mx.take_along_axis(out.logits, last_positions[:, None, None], axis=1)[:, 0, :], out
+
+
+def last_pass_length(prefills: list[Prefill], n: int, kwargs: dict) -> int:
+    """Tokens the last pass of ``prefills`` runs, ``n`` being its longest prompt's: ``n``,
+    or, where last passes are bucketed, ``n`` rounded up coarsely, each prompt's tokens
+    first and zeros after (causal attention never reads them; they are trimmed from its
+    cache after). On a GPU a pass of a new length costs the host several ms of
+    per-shape setup (cuBLAS and attention plans), and every chat turn brings another
+    length: bucketed, turn 2 of one chat runs the shapes of another's. Only where the
+    family pads last passes, its own decoder runs the pass (the model code would
+    compute every position's logits) and the padding fills no sliding window."""
+    first = prefills[0]
+    if n < 2 or not (first.bucket_last_pass and first.family.pad_last_prefill
+                     and first.family.prefill_decoder(kwargs) is not None):
+        return n
+    padded = round_up_coarsely(n, PASS_STEP)
+    return padded if all(fits_padding(p, padded) for p in prefills) else n
+
+
+def fits_padding(prefill: Prefill, length: int) -> bool:
+    """Whether a pass of ``length`` tokens from where ``prefill`` is fills no sliding
+    window, so trimming its padding off leaves the cache the prompt's own pass leaves."""
+    windows = [c.max_size for c in prefill.cache if getattr(c, "max_size", None)]
+    return all(prefill.position + length < w for w in windows)
+
+
+def pad_tokens(x: mx.array, n: int) -> mx.array:
+    """``x`` (rows, k, ...) followed by zeros up to ``n`` along the tokens."""
+    k = x.shape[1]
+    if k == n:
+        return x
+    return mx.concatenate([x, mx.zeros((x.shape[0], n - k, *x.shape[2:]), x.dtype)], axis=1)
 
 
 def _rotates_on_next_token(cache: list) -> bool:

@@ -31,7 +31,14 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
 from .families import Family
-from .prefill import Prefill, _rotates_on_next_token, prefill_pass
+from .prefill import (
+    Prefill,
+    _rotates_on_next_token,
+    fits_padding,
+    last_pass_length,
+    pad_tokens,
+    prefill_pass,
+)
 
 # Layer caches whose rows can be sliced apart: the single-request caches a prompt gets.
 _SPLITTABLE = (vlm_cache.KVCache, vlm_cache.RotatingKVCache)
@@ -180,12 +187,13 @@ class PrefillGroup:
 
     def _pass(self, lengths: list[int], last: bool) -> int:
         """One pass of ``lengths[i]`` tokens of each member: of one length, or, for a
-        last pass, each padded to the longest (see ``Family.pad_last_prefill``)."""
-        n = max(lengths)
+        last pass, each padded to the longest (see ``Family.pad_last_prefill``), or
+        further where last passes are bucketed (``prefill.last_pass_length``)."""
         inputs = [m.chunk_inputs(k) for m, k in zip(self.members, lengths)]
-        ids = mx.concatenate([_pad(x[0], n) for x in inputs])
-        embeds = mx.concatenate([_pad(x[1], n) for x in inputs])
         kwargs = self.family.stack_chunk_kwargs([x[2] for x in inputs])
+        n = last_pass_length(self.members, max(lengths), kwargs) if last else max(lengths)
+        ids = mx.concatenate([pad_tokens(x[0], n) for x in inputs])
+        embeds = mx.concatenate([pad_tokens(x[1], n) for x in inputs])
         rows = self.shared_rows = len(self.members)
         if self.cache is None:
             self.cache = _stacked([m.cache for m in self.members])
@@ -218,18 +226,7 @@ def _fits_padded(member: Prefill, last: bool, longest: int) -> bool:
     """Whether ``member``'s next pass may be padded to at most ``longest`` tokens: it
     is its last, and the padding fills no sliding window, so trimming it off leaves the
     cache the member's own pass leaves."""
-    if not last:
-        return False
-    windows = [c.max_size for c in member.cache if getattr(c, "max_size", None)]
-    return all(member.position + longest < w for w in windows)
-
-
-def _pad(x: mx.array, n: int) -> mx.array:
-    """``x`` (1, k, ...) followed by zeros up to ``n`` along the tokens."""
-    k = x.shape[1]
-    if k == n:
-        return x
-    return mx.concatenate([x, mx.zeros((x.shape[0], n - k, *x.shape[2:]), x.dtype)], axis=1)
+    return last and fits_padding(member, longest)
 
 
 def _partition(members: list[Prefill], alike) -> list[list[Prefill]]:

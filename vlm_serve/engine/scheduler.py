@@ -110,6 +110,10 @@ class SchedulerConfig:
     # Prompt tokens prefilled between two decode steps: more means faster time to first
     # token for new requests, less means smoother streams for running ones.
     prefill_token_budget: int = 2048
+    # Pad last prefill passes to coarse lengths so their shapes repeat (on a GPU, where
+    # a pass of a new length costs the host its per-shape setup; see
+    # ``prefill.last_pass_length``).
+    bucket_last_passes: bool = False
     stats_interval_s: float = 10.0
     # KV memory of running rows, prefills and cached prefixes: bytes with a unit
     # ("8GiB") or a fraction of the device's memory ("0.5"); None: the default (see
@@ -464,10 +468,7 @@ class Scheduler:
                         self._finish(member, FinishReason.ERROR, error=f"grammar failed: {exc}")
                     continue
             demand = trial
-            state.prefill = Prefill(
-                self.model, self.family, state.request, self.config.prefill_step_size,
-                self.prefix_cache,
-            )
+            state.prefill = self._new_prefill(state)
             self.prefilling.append(state)
 
     # -- prefill ----------------------------------------------------------------------
@@ -530,9 +531,12 @@ class Scheduler:
         return [s for s in self.prefilling if s.prefill is not None and s.prefill.group is group]
 
     def _restart_alone(self, state: RequestState) -> None:
-        state.prefill = Prefill(self.model, self.family, state.request,
-                                self.config.prefill_step_size, self.prefix_cache)
+        state.prefill = self._new_prefill(state)
         state.prefill.alone = True
+
+    def _new_prefill(self, state: RequestState) -> Prefill:
+        return Prefill(self.model, self.family, state.request, self.config.prefill_step_size,
+                       self.prefix_cache, self.config.bucket_last_passes)
 
     def _join(self, state: RequestState) -> None:
         """A finished prefill: its prompt's rows join the batch at the end of the turn."""

@@ -32,13 +32,18 @@ COLUMN_STEP = 256  # columns are added in steps of this many (as mlx-lm's caches
 SPAN_STEP = 32
 
 
+def round_up_coarsely(n: int, min_step: int) -> int:
+    """``n`` rounded up to an eighth of its power of two (in steps of at least
+    ``min_step``): at most ~1/8 more, and about 8 distinct values per doubling, so
+    shapes sized by it repeat (compiled traces, kernels, the backend's per-shape setup)."""
+    step = max(min_step, (1 << (max(n - 1, 1).bit_length() - 1)) // 8)
+    return -(-n // step) * step
+
+
 def attention_span(longest: int) -> int:
-    """Columns a step attends to for rows up to ``longest`` positions: rounded up to an
-    eighth of its power of two (at least SPAN_STEP), so a step reads at most ~1/8 past
-    the longest row and shapes (compiled traces, kernels) repeat: about 8 distinct spans
-    per doubling of the context."""
-    step = max(SPAN_STEP, (1 << (max(longest - 1, 1).bit_length() - 1)) // 8)
-    return -(-longest // step) * step
+    """Columns a step attends to for rows up to ``longest`` positions (see
+    ``round_up_coarsely``)."""
+    return round_up_coarsely(longest, SPAN_STEP)
 _SLOT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
