@@ -21,7 +21,8 @@ from mlx_vlm import load
 from step_breakdown import id_limit  # noqa: E402
 
 from vlm_serve.engine.families import family_for
-from vlm_serve.engine.prefill import prefill_pass
+from vlm_serve.engine.decode.store import round_up_coarsely
+from vlm_serve.engine.prefill import PASS_STEP, pad_tokens, prefill_pass
 from vlm_serve.engine.prefix_cache import PrefixCache
 
 
@@ -32,6 +33,8 @@ def main() -> None:
                         help="only continuing passes: repeating shapes, new ones, or a new cached "
                              "length or a new number of new tokens alone")
     parser.add_argument("--passes", type=int, default=6, help="passes per series")
+    parser.add_argument("--bucketed", action="store_true",
+                        help="pad each pass to its coarse length, as bucketed last passes are")
     args = parser.parse_args()
     model, _ = load(args.model)
     lm = model.language_model
@@ -55,9 +58,13 @@ def main() -> None:
         for i, (offset, n) in enumerate(cases):
             cache = continuing(offset) if offset else lm.make_cache()
             ids = tokens(n, n)
+            embeds, ends, padded = lm.model.embed_tokens(ids), None, n
+            if args.bucketed:
+                padded = round_up_coarsely(n, PASS_STEP)
+                ids, embeds, ends = pad_tokens(ids, padded), pad_tokens(embeds, padded), mx.array([n - 1])
             mx.synchronize()
             start = time.perf_counter()
-            logits, _ = prefill_pass(model, family, ids, lm.model.embed_tokens(ids), cache, {})
+            logits, _ = prefill_pass(model, family, ids, embeds, cache, {}, last_positions=ends)
             built = time.perf_counter()
             nodes = sum(count(logits).values()) if i == 0 else None
             wall, cpu = time.perf_counter(), time.thread_time()
@@ -65,7 +72,7 @@ def main() -> None:
             launched, cpu_used = time.perf_counter(), time.thread_time() - cpu
             mx.eval(logits)
             done = time.perf_counter()
-            print(f"{label:20s} cached {offset:4d} new {n:3d}: build {1000 * (built - start):5.2f} ms, "
+            print(f"{label:20s} cached {offset:4d} new {n:3d} (pass {padded:3d}): build {1000 * (built - start):5.2f} ms, "
                   f"async_eval {1000 * (launched - wall):6.2f} ms (cpu {1000 * cpu_used:6.2f}), "
                   f"device after it {1000 * (done - launched):5.2f} ms"
                   + (f", {nodes} nodes" if nodes else ""))
