@@ -53,3 +53,18 @@ def test_a_row_batched_equals_it_alone(dtype):
         )
         assert np.array_equal(np.array(alone.astype(mx.float32)),
                               np.array(together[i:i + 1].astype(mx.float32))), f"row {i}"
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (8, 1, 64), (28, 4, 128), (32, 16, 512)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_heads_sharing_a_block_compute_what_each_computes_alone(heads, kv_heads, dim, dtype):
+    """A block of pass 1 loads each key and value once for the query heads that share
+    them: every way of grouping those heads gives the same bits as one head per block."""
+    rng = np.random.default_rng(heads + dim)
+    counts = mx.array([1, 40, 255, 257, 700], mx.int32)
+    q, keys, values = _store(rng, 5, heads, kv_heads, dim, 768, dtype)
+    one = np.array(cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5, group=1).astype(mx.float32))
+    shared = heads // kv_heads
+    for group in [g for g in range(2, shared + 1) if shared % g == 0 and g * dim <= cuda_attention.GROUP_FLOATS]:
+        grouped = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5, group=group)
+        assert np.array_equal(np.array(grouped.astype(mx.float32)), one), f"{group} heads per block"
