@@ -1,0 +1,71 @@
+"""GPU time of each kernel of the engine's decode step, under NVIDIA's ncu: two steps of
+a batch of B ragged text rows (op by op, as the server builds steps past 64 slots) are
+bracketed with the CUDA profiler's start and stop, so only they are profiled.
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \\
+        --csv python bench/step_kernels.py --model DIR --batch 128 > kernels.csv
+    python bench/step_kernels.py --summarize kernels.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import ctypes
+import os
+import sys
+
+
+def profile(model_dir: str, rows: int, context: int) -> None:
+    import mlx.core as mx
+    from mlx_vlm import load
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from step_breakdown import build_engine_batch
+
+    model, _ = load(model_dir)
+    batch = build_engine_batch(model, rows, context, 40, ragged=True, use_decoder=True)
+    batch.decoder.compiled = None
+    for _ in range(4):
+        mx.eval(batch.step().tokens)
+    mx.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    for _ in range(2):
+        mx.eval(batch.step().tokens)
+    mx.synchronize()
+    cuda.cuProfilerStop()
+
+
+def summarize(path: str, top: int = 25) -> None:
+    """Total time per kernel name from ncu's per-kernel summary (CSV), largest first."""
+    rows = list(csv.reader(open(path)))
+    header_at = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    header = rows[header_at]
+    name, calls, metric, average = (header.index(c) for c in ("Kernel Name", "Invocations", "Metric Name", "Average"))
+    total, launches = collections.Counter(), collections.Counter()
+    for r in rows[header_at + 1:]:
+        if len(r) == len(header) and "duration" in r[metric]:
+            total[r[name][:90]] += float(r[average].replace(",", "")) * int(r[calls])
+            launches[r[name][:90]] += int(r[calls])
+    print(f"{sum(total.values()) / 1e6:.2f} ms of kernels in {sum(launches.values())} launches")
+    for kernel, ns in total.most_common(top):
+        print(f"{ns / 1e6:7.2f} ms {launches[kernel]:5d}x  {kernel}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--context", type=int, default=320)
+    p.add_argument("--summarize", metavar="CSV")
+    args = p.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+    else:
+        profile(args.model, args.batch, args.context)
+
+
+if __name__ == "__main__":
+    main()
