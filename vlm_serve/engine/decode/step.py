@@ -25,10 +25,10 @@ COMPILE = os.environ.get("VLM_SERVE_COMPILE_DECODE", "1") != "0"
 # On CUDA, past this many slots the step is built op by op. Measured on H100s,
 # Gemma-3-4B shape: before the step's shapes stopped following the span, op by op was
 # faster at 128 slots (11.8 vs 14.3 and 14.0 vs 17.6 ms; bench/results/
-# gpu-h100-cuda-attention); since then, compiled was faster at 128 (15.5 vs 17.9 and
-# 16.6 vs 17.8 ms) but far slower at 96 in the one run that timed it (18.6 vs 12.1 ms;
-# bench/results/gpu-bucketed-passes), and even at 64. Kept at 64 until the sizes
-# between are timed again.
+# gpu-h100-cuda-attention); since then, compiled was faster at 128 in two runs of three
+# (15.5 vs 17.9, 16.6 vs 17.8, 15.8 vs 15.2 ms) but far slower at 96 in both runs that
+# timed it (18.6 vs 12.1 and 16.8 vs 10.6 ms; bench/results/gpu-bucketed-passes), and
+# even at 64.
 CUDA_COMPILE_MAX_SLOTS = int(os.environ.get("VLM_SERVE_CUDA_COMPILE_MAX_SLOTS", "64"))
 
 

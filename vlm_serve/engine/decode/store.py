@@ -44,6 +44,8 @@ def attention_span(longest: int) -> int:
     """Columns a step attends to for rows up to ``longest`` positions (see
     ``round_up_coarsely``)."""
     return round_up_coarsely(longest, SPAN_STEP)
+
+
 _SLOT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
