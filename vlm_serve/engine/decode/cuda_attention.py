@@ -49,6 +49,16 @@ __device__ __forceinline__ float warp_sum(float x) {
   return __shfl_sync(0xffffffff, x, 0);  // lane 0's order, on every lane
 }
 
+// A run of STEP elements into registers: one 16-byte load where the run is 16 bytes.
+template <typename T, int STEP>
+__device__ __forceinline__ void load_run(const T* src, T* dst) {
+  if constexpr (STEP * sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+    for (int t = 0; t < STEP; ++t) dst[t] = src[t];
+  }
+}
+
 __device__ __forceinline__ float warp_max(float x) {
   for (int offset = 16; offset > 0; offset /= 2) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
@@ -59,8 +69,7 @@ __device__ __forceinline__ float warp_max(float x) {
 
 _PARTIAL = """
   constexpr int VEC = 16 / sizeof(T);  // elements of one 16-byte load
-  constexpr bool WIDE = D % VEC == 0;  // rows split into whole 16-byte loads
-  constexpr int STEP = WIDE ? VEC : 1;
+  constexpr int STEP = D % VEC == 0 ? VEC : 1;  // elements per load: rows in whole 16 bytes
   constexpr int SPANS = (D + 32 * STEP - 1) / (32 * STEP);  // a lane's runs of value dims
   constexpr int PER_WARP = CHUNK / WARPS;
   const int chunk = blockIdx.x, group = blockIdx.y, row = blockIdx.z;
@@ -100,11 +109,7 @@ _PARTIAL = """
       const T* k = k_row + (size_t)c * D;
       for (int d0 = 0; d0 < D; d0 += STEP) {
         alignas(16) T kv[STEP];
-        if constexpr (WIDE) {
-          *reinterpret_cast<uint4*>(kv) = *reinterpret_cast<const uint4*>(k + d0);
-        } else {
-          kv[0] = k[d0];
-        }
+        load_run<T, STEP>(k + d0, kv);
         for (int t = 0; t < STEP; ++t) {
           const float kf = static_cast<float>(kv[t]);
           for (int h = 0; h < QG; ++h) s[h] += q_s[h][d0 + t] * kf;
@@ -130,11 +135,7 @@ _PARTIAL = """
         const int d0 = (j * 32 + lane) * STEP;
         if (d0 >= D) break;
         alignas(16) T vv[STEP];
-        if constexpr (WIDE) {
-          *reinterpret_cast<uint4*>(vv) = *reinterpret_cast<const uint4*>(v + d0);
-        } else {
-          vv[0] = v[d0];
-        }
+        load_run<T, STEP>(v + d0, vv);
         for (int t = 0; t < STEP; ++t) {
           const float vf = static_cast<float>(vv[t]);
           for (int h = 0; h < QG; ++h) o[h][j][t] += pc[h] * vf;
