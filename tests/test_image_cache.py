@@ -265,3 +265,19 @@ def test_over_http_a_resent_image_hits_and_a_swapped_one_gets_a_fresh_servers_an
     # nothing): the first token's log-probabilities differ between all four.
     first = {tuple(t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs) for r in fresh_answers.values()}
     assert len(first) == 4
+
+
+def test_large_sources_are_keyed_as_small_ones_are():
+    """A source past a megabyte is hashed on several threads; its key is the same
+    digest one thread gives (so it never depends on the machine), and one changed byte
+    gives another key."""
+    from vlm_serve.preprocess import image_cache
+
+    source = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    assert len(source) >= image_cache._THREADED_HASH_BYTES
+    key = image_cache.source_key("data-url", source, "fit")
+    if image_cache._blake3 is not None:
+        assert key == f"data-url:{image_cache._blake3(source).hexdigest()}:fit"
+    changed = source[:-1] + bytes([source[-1] ^ 1])
+    assert image_cache.source_key("data-url", changed, "fit") != key
+    assert image_cache.source_key("data-url", source, "fit") == key

@@ -34,9 +34,21 @@ from ..lru import SizedLRU
 log = logging.getLogger(__name__)
 
 try:  # BLAKE3 hashes a resent multi-megabyte data URL in a third of SHA-256's time
-    from blake3 import blake3 as _content_hash
+    from blake3 import blake3 as _blake3
 except ImportError:  # not installed: the standard library's
-    _content_hash = hashlib.sha256
+    _blake3 = None
+
+# Sources at least this long are hashed on several threads (BLAKE3's tree splits them;
+# the digest is the same): a multi-megabyte data URL is on every turn of an image chat.
+_THREADED_HASH_BYTES = 1 << 20
+
+
+def _content_hash(source: bytes):
+    if _blake3 is None:
+        return hashlib.sha256(source)
+    if len(source) >= _THREADED_HASH_BYTES:
+        return _blake3(source, max_threads=_blake3.AUTO)
+    return _blake3(source)
 
 # The source key rides on the PIL image object itself: an attribute (unlike
 # ``image.info``) is not copied onto images derived from it by convert/resize/copy.
