@@ -5,6 +5,7 @@ tokens). On MLX a pass is launched node by node on the host; where the device fi
 right after ``mx.async_eval`` returns, the pass is bound by that launch.
 
     python bench/prefill_launch.py --model DIR
+    python bench/prefill_launch.py --model DIR --only new-length --passes 10 [--bucketed]
 
 Per pass: building the graph, then ``mx.async_eval``'s wall and CPU time, the wait for
 the device after it, and the graph's nodes (first pass of each series).
@@ -77,19 +78,19 @@ def main() -> None:
                   f"device after it {1000 * (done - launched):5.2f} ms"
                   + (f", {nodes} nodes" if nodes else ""))
 
-    n = args.passes
+    passes = args.passes
     series("warm-up", [(288, 64)] * 2)
     if args.only in (None, "same"):
-        series("continuing, same", [(288, 64)] * n)
+        series("continuing, same", [(288, 64)] * passes)
     if args.only in (None, "new"):
-        series("continuing, new", [(288 + 7 * i, 60 + 3 * i) for i in range(1, n + 1)])
+        series("continuing, new", [(288 + 7 * i, 60 + 3 * i) for i in range(1, passes + 1)])
     if args.only == "new-offset":
-        series("new cached length", [(288 + 7 * i, 64) for i in range(1, n + 1)])
+        series("new cached length", [(288 + 7 * i, 64) for i in range(1, passes + 1)])
     if args.only == "new-length":
-        series("new token count", [(288, 60 + 3 * i) for i in range(1, n + 1)])
+        series("new token count", [(288, 60 + 3 * i) for i in range(1, passes + 1)])
     if args.only is None:
-        series("fresh, same", [(0, 64)] * n)
-        series("fresh, new", [(0, 61 + 3 * i) for i in range(1, n + 1)])
+        series("fresh, same", [(0, 64)] * passes)
+        series("fresh, new", [(0, 61 + 3 * i) for i in range(1, passes + 1)])
 
 
 if __name__ == "__main__":
