@@ -211,11 +211,9 @@ class Prefill:
         if n == 1:
             self.keep_short_cache()
         padded = last_pass_length([self], n, kwargs)
-        ends = None
-        if padded > n:
-            ids, embeds, ends = pad_tokens(ids, padded), pad_tokens(embeds, padded), mx.array([n - 1])
-        logits, out = prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs,
-                                   last_positions=ends)
+        ends = mx.array([n - 1]) if padded > n else None
+        logits, out = prefill_pass(self.model, self.family, pad_tokens(ids, padded),
+                                   pad_tokens(embeds, padded), self.cache, kwargs, last_positions=ends)
         if padded > n:
             for layer in self.cache:
                 layer.trim(padded - n)  # the padding: the cache ends where the prompt does

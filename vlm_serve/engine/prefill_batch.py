@@ -153,9 +153,10 @@ class PrefillGroup:
                 signatures[id(member)] = self.family.batch_signature(member.chunk_inputs(n)[2])
             return signatures[id(member)]
 
-        # Members whose next pass may be padded, to at most the longest last pass.
+        # Members whose next pass is their last and may be padded to the longest last
+        # pass (the padding fills no sliding window).
         longest = max((n for n, last in plans.values() if last), default=0)
-        paddable = ({id(m) for m in self.members if _fits_padded(m, plans[id(m)][1], longest)}
+        paddable = ({id(m) for m in self.members if plans[id(m)][1] and fits_padding(m, longest)}
                     if self.family.pad_last_prefill else set())
 
         def padded_together(a: Prefill, b: Prefill) -> bool:
@@ -220,13 +221,6 @@ class PrefillGroup:
             member.group = None
         self.members, self.cache = [], None
         return n * rows
-
-
-def _fits_padded(member: Prefill, last: bool, longest: int) -> bool:
-    """Whether ``member``'s next pass may be padded to at most ``longest`` tokens: it
-    is its last, and the padding fills no sliding window, so trimming it off leaves the
-    cache the member's own pass leaves."""
-    return last and fits_padding(member, longest)
 
 
 def _partition(members: list[Prefill], alike) -> list[list[Prefill]]:
