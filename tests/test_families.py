@@ -17,6 +17,7 @@ import pytest
 from mlx_vlm import load as vlm_load
 
 from vlm_serve.fixtures.build import ARCHS, cached_model
+from vlm_serve.engine import prefill
 from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.families import FAMILIES
 from vlm_serve.engine.scheduler import SchedulerConfig
@@ -286,6 +287,32 @@ def test_text_prompt_extending_a_cached_one_matches_mlx_vlm(family):
         assert cache is None
 
 
+def test_a_chats_next_turn_goes_on_from_the_answers_kv(family):
+    """A finished row leaves its prompt and its answer in the prefix cache: the next turn,
+    which resends both (here as the very tokens generated) and adds a question,
+    prefills only what it adds, and still gives mlx-vlm's tokens for the whole prompt."""
+    # Mllama's cross-attention mask runs along the tokens: its turn 2 could not be the
+    # very tokens generated without its processor, so it chats in text here.
+    images = [] if family.arch in SLOW_VISION | {"mllama"} else [make_image(56, 40, 23)]
+    first = family.prepare("answer-1", "Tell me a story.", images, max_tokens=12)
+    answer = run_jobs(family.engine, [(first, None, None)])["answer-1"]["tokens"]
+    assert answer and answer[-1] not in family.eos  # a whole answer, cut by max_tokens
+    tokenizer = getattr(family.ctx.processor, "tokenizer", family.ctx.processor)
+    extra = tokenizer.encode(" And then what happened?", add_special_tokens=False)
+    second = family.prepare("answer-2", "Tell me a story.", images, max_tokens=8)
+    second.input_ids = np.concatenate([first.input_ids, np.array(answer + extra, np.int32)])
+    if "attention_mask" in second.model_inputs:
+        second.model_inputs["attention_mask"] = np.ones((1, len(second.input_ids)), np.int32)
+    scheduler = family.engine.scheduler
+    cache = scheduler.prefix_cache
+    before = cache.reused_tokens if cache else 0
+    result = run_jobs(family.engine, [(second, None, None)])["answer-2"]
+    assert result["tokens"] == family.oracle(second)
+    if prefill.prefix_cacheable(scheduler.family, second):
+        # Every token of the answer was fed back while decoding: all are in the cache.
+        assert cache.reused_tokens - before == len(first.input_ids) + len(answer)
+
+
 def test_image_chat_turn_two_reuses_its_prefix_and_matches_mlx_vlm(family):
     """Turn 2 of an image chat (same image, the answer and a new question) starts from
     turn 1's cache (where the family embeds the text after cached images alone, without
@@ -414,6 +441,39 @@ def test_warm_up_runs_text_and_image_before_ready(caplog):
                              r.getMessage()) for r in caplog.records)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
+        ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
+                            engine.loaded.chat_template)
+        prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])
+        prepared = prepare_prompt(ctx, "after", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+        assert run_jobs(engine, [(prepared, None, None)])["after"]["error"] is None
+    finally:
+        engine.shutdown()
+
+
+def test_warm_up_runs_each_padded_pass_length_where_passes_are_padded(caplog, monkeypatch):
+    """With last passes padded to coarse lengths (as on a GPU), the warm-up runs one pass
+    of each length up to WARM_PASS_TOKENS from a cached prefix, so no chat turn pays a
+    length's first pass; the engine serves normally after."""
+    import logging
+
+    from vlm_serve.engine import warmup
+
+    caplog.set_level(logging.INFO, logger="vlm_serve.engine")
+    monkeypatch.setattr(warmup, "WARM_PASS_TOKENS", 64)
+    new_tokens = {}  # warm-up pass -> prompt tokens it prefilled past the cached prefix
+
+    def finish(self, *args, original=prefill.Prefill.finish):
+        new_tokens[self.request.request_id] = self.request.num_prompt_tokens - self.reused
+        return original(self, *args)
+
+    monkeypatch.setattr(prefill.Prefill, "finish", finish)
+    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2, bucket_last_passes=True),
+                    warm=True)
+    engine.start()
+    try:
+        assert any("padded passes of 16-64 tokens (4)" in r.getMessage() for r in caplog.records)
+        passes = {rid: n for rid, n in new_tokens.items() if rid.startswith("warm-up-pass-")}
+        assert passes == {f"warm-up-pass-{n}": n for n in (16, 32, 48, 64)}
         ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
                             engine.loaded.chat_template)
         prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])

@@ -281,3 +281,19 @@ def test_large_sources_are_keyed_as_small_ones_are():
     changed = source[:-1] + bytes([source[-1] ^ 1])
     assert image_cache.source_key("data-url", changed, "fit") != key
     assert image_cache.source_key("data-url", source, "fit") == key
+
+
+def test_over_http_turn_two_reuses_the_answer_too(start_server):
+    """A client resends turn 1's answer with its next question: the answer's KV, kept
+    when turn 1 finished, serves it too (the prompt tokens cached go past turn 1's
+    prompt), and turn 2's answer is a fresh server's. Qwen2.5-VL: no sliding window, so
+    a stored answer can be cut back to where a resent one parts from it."""
+    warm = start_server("qwen2_5_vl")
+    fresh = start_server("qwen2_5_vl", image_cache_size=0, prefix_cache_size=0, vision_cache_size=0)
+    question = conversation(make_image(56, 56, 13))[:1]
+    turn_one = chat(warm, question)
+    messages = [*question, {"role": "assistant", "content": turn_one.choices[0].message.content},
+                {"role": "user", "content": "Tell me more about it."}]
+    turn_two = chat(warm, messages)
+    assert turn_two.usage.prompt_tokens_details.cached_tokens > turn_one.usage.prompt_tokens
+    assert turn_two.choices[0].message.content == chat(fresh, messages).choices[0].message.content

@@ -96,8 +96,10 @@ def test_cached_prefixes_are_evicted_before_a_request_waits(start_server):
     client.chat.completions.create(model=MODEL, messages=user("the first prompt, kept " * 4),
                                    max_tokens=2, temperature=0)
     held = sch.stats()
-    assert held["prefix_cache_entries"] == 1 and held["prefix_cache_bytes"] > 0
-    # A request that fits only with the cache emptied: admitted at once, the entry gone.
+    # The prompt, and the prompt with its answer (past the fixture's sliding window the
+    # longer one cannot be cut back to the shorter, so both are kept).
+    assert held["prefix_cache_entries"] == 2 and held["prefix_cache_bytes"] > 0
+    # A request that fits only with cached bytes given back: admitted at once, by evicting.
     messages = user("another prompt entirely")
     p = prompt_tokens(server, messages)
     m = next(m for m in range(1, 4000)
@@ -107,7 +109,7 @@ def test_cached_prefixes_are_evicted_before_a_request_waits(start_server):
                                        temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == m
     after = sch.stats()
-    assert after["prefix_cache_evictions"] == held["prefix_cache_evictions"] + 1
+    assert after["prefix_cache_evictions"] > held["prefix_cache_evictions"]
     assert after["kv_memory_waits"] == held["kv_memory_waits"] == 0
     assert after["kv_memory_peak"] <= sch.memory.limit
 

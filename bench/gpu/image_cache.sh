@@ -5,8 +5,8 @@
 # time goes server-side. BEFORE=DIR runs the same with the vlm_serve package in DIR
 # (a copy from before the image cache) and labels the files "before-".
 # IMAGE="--image-format jpeg" changes the chat's image (default: 896 px noise as PNG,
-# a 3.2 MB body; bench/multiturn.py's options).
-#   OUT=DIR [BEFORE=DIR] [MODES="warm cold none"] [IMAGE=...] bash bench/gpu/image_cache.sh
+# a 3.2 MB body; bench/multiturn.py's options). MAX_TOKENS: each answer's length (32).
+#   OUT=DIR [BEFORE=DIR] [MODES="warm cold none"] [IMAGE=...] [MAX_TOKENS=N] bash bench/gpu/image_cache.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-image-cache}
 MODES=${MODES:-warm cold none}
@@ -32,7 +32,7 @@ for mode in $MODES; do
   pid=$!
   for _ in $(seq 600); do curl -sf http://127.0.0.1:8131/health >/dev/null && break; sleep 0.5; done
   python3 bench/multiturn.py --base-url http://127.0.0.1:8131/v1 --turns 5 --conversations 4 \
-    --image-size 896 ${IMAGE:-} --max-tokens 32 --result-json "$OUT/$label-$mode.json" | grep -A6 ttft_ms
+    --image-size 896 ${IMAGE:-} --max-tokens ${MAX_TOKENS:-32} --result-json "$OUT/$label-$mode.json" | grep -A6 ttft_ms
   kill -TERM $pid; wait $pid
 done
 python3 bench/multiturn_breakdown.py --model "$MODEL" --conversations 3 --turns 3 | tee "$OUT/$label-breakdown.md"

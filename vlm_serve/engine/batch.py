@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx_vlm.models import cache as vlm_cache
 
 from .families import Family
 from .sampling import BatchSampler, SampleOutput
@@ -106,6 +107,20 @@ class Batch:
         self.row_states = [self.row_states[i] for i in indices]
         self.next_tokens = self.next_tokens[idx]
         return indices
+
+    def row_cache(self, index: int) -> list | None:
+        """Row ``index``'s KV now (its prompt and the tokens it has decoded), as the
+        single-request caches a prompt's prefill leaves: copies, queued on the device,
+        that stay valid after the row leaves. None where its caches cannot be split off."""
+        if self.store is not None:
+            caches = vlm_cache.make_prompt_cache(self.model.language_model)
+            self.store.fill_row_cache(index, caches)
+        elif self.family.batched and all(hasattr(c, "extract") for c in self.cache):
+            caches = [c.extract(index) for c in self.cache]  # mlx-vlm's batch caches
+        else:
+            return None
+        mx.async_eval([c.state for c in caches])
+        return caches
 
     def reset(self) -> None:
         self.cache = None

@@ -45,10 +45,7 @@ class Prefill:
         self.request = request
         self.step_size = max(1, step_size)
         self.bucket_last_pass = bucket_last_pass  # see ``last_pass_length``
-        usable = family.prefix_cache and (
-            not request.has_media or (family.image_prefix_cache and family.image_token_ids)
-        )
-        self.prefix_cache = prefix_cache if usable else None
+        self.prefix_cache = prefix_cache if prefix_cacheable(family, request) else None
         self.reused = 0  # prompt tokens whose KV came from the prefix cache
         self._found: tuple[list | None, int] | None = None  # the prefix lookup, once made
         self.position = 0  # prompt tokens in the cache so far
@@ -150,8 +147,7 @@ class Prefill:
             self.prefix_cache.store(tokens, self.cache)
 
     def _key(self) -> list[int]:
-        req = self.request
-        return prefix_key(req.input_ids.tolist(), self.family.image_token_ids, req.image_digests)
+        return cache_key(self.family, self.request, self.request.input_ids.tolist())
 
     def next_chunk(self) -> tuple[int, bool]:
         """The next pass over the prompt, as the single path would run it: how many
@@ -220,6 +216,20 @@ class Prefill:
         self.advance(n)
         self.finish(logits, self.family.row_state(self.kwargs, out))
         return n
+
+
+def prefix_cacheable(family: Family, request: PreparedRequest) -> bool:
+    """Whether ``request``'s KV may be stored and reused: prompts with images only
+    where the family's image placeholders are known (they are keyed by the images)."""
+    return family.prefix_cache and (
+        not request.has_media or bool(family.image_prefix_cache and family.image_token_ids)
+    )
+
+
+def cache_key(family: Family, request: PreparedRequest, tokens: list[int]) -> list[int]:
+    """The prefix cache's key of ``tokens``: ``request``'s prompt, possibly followed by
+    tokens it generated, with its image placeholders marked by its images."""
+    return prefix_key(tokens, family.image_token_ids, request.image_digests)
 
 
 def prefill_pass(model, family, ids, embeds, cache, kwargs: dict, n_to_process: int | None = None,

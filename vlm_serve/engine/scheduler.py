@@ -31,7 +31,7 @@ from .detokenize import TextAssembler
 from .families import Family
 from .grammar import GrammarCompiler, allowed_tokens
 from .memory import Demand, Held, KVBudget, KVLayout, cache_bytes, format_bytes, resolve_limit
-from .prefill import Prefill
+from .prefill import Prefill, cache_key, prefix_cacheable
 from .prefill_batch import PrefillGroup
 from .prefix_cache import PrefixCache
 from .sampling import BatchSampler, top_logprobs
@@ -78,9 +78,11 @@ class RequestState:
     text: TextAssembler
     prefill: Prefill | None = None
     generated: int = 0
+    tokens: list[int] = field(default_factory=list)  # the ids generated so far
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     done: bool = False
+    finish_reason: FinishReason | None = None
     reused_tokens: int = 0  # prompt tokens served from the prefix cache
     matcher: object | None = None  # llguidance matcher of a constrained request
     # Copies of this prompt that join the batch from this state's prefill (n > 1).
@@ -649,6 +651,7 @@ class Scheduler:
                 finished.append(state)
         self._stats["generated"] += len(step.states)
         if finished:
+            self._keep_answers(finished)
             self._drop(finished)
         self.kv_cache_bytes = self.batch.nbytes
 
@@ -657,6 +660,30 @@ class Scheduler:
         keep = [i for i, s in enumerate(self.running) if id(s) not in gone]
         order = self.batch.keep(keep)  # the batch may reorder its rows
         self.running = [self.running[i] for i in order]
+
+    def _keep_answers(self, states: list[RequestState]) -> None:
+        """Offer the KV of rows that finished (their prompt and the answer so far) to
+        the prefix cache before they leave: a chat client's next turn resends both, and
+        then prefills only what it adds. Rows that failed keep nothing."""
+        if self.prefix_cache is None:
+            return
+        rows = {id(s): i for i, s in enumerate(self.running)}
+        for state in states:
+            request = state.request
+            if state.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not (
+                prefix_cacheable(self.family, request)
+            ):
+                continue
+            try:
+                cache = self.batch.row_cache(rows[id(state)])
+                if cache is None:
+                    return  # this batch's caches cannot be split per row
+                tokens = request.input_ids.tolist() + state.tokens
+                held = cache[0].offset  # the prompt and the tokens decoded from so far
+                if len(request.input_ids) < held <= len(tokens):
+                    self.prefix_cache.store(cache_key(self.family, request, tokens[:held]), cache)
+            except Exception:  # noqa: BLE001 - a cache that is not kept fails no request
+                log.exception("could not keep the answer of %s", state.id)
 
     def _logprob_arrays(self, out, states: list[RequestState]) -> tuple:
         if not any(s.request.sampling.logprobs for s in states):
@@ -685,6 +712,7 @@ class Scheduler:
         """Account one sampled token; returns True when the request has finished."""
         params = state.request.sampling
         state.generated += 1
+        state.tokens.append(token)
         if state.first_token_at is None:
             state.first_token_at = time.monotonic()
         is_eos = not params.ignore_eos and token in self.eos_token_ids
@@ -724,6 +752,7 @@ class Scheduler:
         error: str | None = None,
     ) -> None:
         state.done = True
+        state.finish_reason = reason
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             text += state.text.finish()
         now = time.monotonic()

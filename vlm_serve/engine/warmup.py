@@ -9,7 +9,9 @@ batch). At startup instead:
   and decoded together as one batch, and leave it one by one (a row leaving moves
   another into its slot);
 - a prompt that continues the first one, so a prefix-cache hit and the pass that goes
-  on from it run too;
+  on from it run too; where last passes are padded to coarse lengths (on a GPU), one
+  such pass of each length up to ``WARM_PASS_TOKENS``: a length's first pass costs the
+  host 21-31 ms of per-shape setup on an H100, which turn 2 of a chat would pay;
 - a prompt longer than a prefill pass and than any sliding window: several passes, and
   a window that rotates;
 - for every number of slots the batch can reach up to ``--max-num-seqs``, one prompt
@@ -24,16 +26,21 @@ import logging
 import time
 from dataclasses import replace
 
+import mlx.core as mx
+import numpy as np
 from PIL import Image
 
 from ..preprocess.media import MediaPolicy
 from ..preprocess.prompt import PromptContext, prepare_prompt, render_chat
-from .decode.store import slot_bucket, slot_buckets
-from .types import SamplingParams
+from .decode.store import round_up_coarsely, slot_bucket, slot_buckets
+from .prefill import PASS_STEP, Prefill
+from .types import PreparedRequest, SamplingParams
 
 log = logging.getLogger("vlm_serve.engine")
 
 _TEXT = "Describe the picture in a few words."
+# Padded last passes are warmed up to this many tokens (a chat turn's new tokens).
+WARM_PASS_TOKENS = 512
 
 
 def warm_up(loaded, scheduler) -> None:
@@ -58,6 +65,7 @@ def warm_up(loaded, scheduler) -> None:
     scheduler.run_to_completion(together)
     # Starts from the first prompt's cached prefix (where the family keeps prefixes).
     scheduler.run_to_completion([text("warm-up-continued", _TEXT + " Then say why.", greedy)])
+    passes = _padded_passes(loaded, scheduler, together[0])
     long = _long_prompt(loaded, scheduler, text, replace(greedy, max_tokens=2))
     if long is not None:
         scheduler.run_to_completion([long])
@@ -65,10 +73,35 @@ def warm_up(loaded, scheduler) -> None:
     rows = text("warm-up-rows", "Count to three.", replace(greedy, max_tokens=2))
     for size in sizes:
         scheduler.run_to_completion([replace(rows, request_id=f"warm-up-rows-{size}")], copies=size - 1)
-    log.info("warm-up: %d request(s)%s%s in %.1f s", len(together) + 1 + (long is not None),
+    log.info("warm-up: %d request(s)%s%s%s in %.1f s", len(together) + 1 + (long is not None),
              f" (one of {long.num_prompt_tokens} tokens)" if long is not None else "",
+             f", padded passes of {passes[0]}-{passes[-1]} tokens ({len(passes)})" if passes else "",
              f", then batches of {', '.join(map(str, sizes))} rows," if sizes else "",
              time.monotonic() - started)
+
+
+def _padded_passes(loaded, scheduler, base: PreparedRequest) -> list[int]:
+    """Where last passes are padded to coarse lengths, run one pass of each length up
+    to ``WARM_PASS_TOKENS`` going on from ``base``'s cached prefix, as a chat's next
+    turn does (prefilled directly: nothing is decoded or kept). Returns the lengths."""
+    config, family = scheduler.config, scheduler.family
+    padded = config.bucket_last_passes and family.pad_last_prefill
+    if not (padded and scheduler.prefix_cache is not None and family.prefill_decoder({}) is not None):
+        return []
+    ids = base.input_ids.tolist()
+    limit = min(WARM_PASS_TOKENS, config.prefill_step_size, loaded.max_model_len - len(ids))
+    lengths = sorted({round_up_coarsely(n, PASS_STEP) for n in range(2, limit + 1)})
+    lengths = [n for n in lengths if n <= limit]
+    for n in lengths:
+        # The prompt's last token again and again: only the pass's shape matters here.
+        request = PreparedRequest(f"warm-up-pass-{n}", np.array(ids + ids[-1:] * n, np.int32),
+                                  SamplingParams(max_tokens=1))
+        prefill = Prefill(scheduler.model, family, request, config.prefill_step_size,
+                          scheduler.prefix_cache, bucket_last_pass=True)
+        while not prefill.done:
+            prefill.step()
+        mx.eval(prefill.logits)
+    return lengths
 
 
 def _long_prompt(loaded, scheduler, text, params: SamplingParams):

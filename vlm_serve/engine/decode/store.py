@@ -182,6 +182,23 @@ class SlotStore:
             self.rotations.append(rotations)
         self.shifts += shifts or [0] * len(row_caches)
 
+    def fill_row_cache(self, row: int, caches: list) -> None:
+        """Fill fresh single-request caches (one per layer, as ``join`` takes them) with
+        what live row ``row`` holds now: the inverse of ``join``, as copies, so the row
+        can go on being prefilled later (a chat's next turn) while its slot moves on."""
+        length = self.lengths[row]
+        for i, (kind, cache) in enumerate(zip(self.layer_kinds, caches)):
+            keys, values = self.keys[i][row:row + 1], self.values[i][row:row + 1]
+            if kind.window is None:
+                keys, values = keys[:, :, :length], values[:, :, :length]
+            else:
+                keys, values = _in_temporal_order(keys, values, length, kind.window,
+                                                  self.rotations[row][kind.window])
+            cache.keys, cache.values = mx.contiguous(keys), mx.contiguous(values)
+            cache.offset = length
+            if kind.window is not None:
+                cache._idx = cache.keys.shape[2]  # a ring in temporal order, as after a pass
+
     def _capacity(self) -> int:
         """Positions every layer can hold (a full window never runs out)."""
         capacity = 1 << 62
@@ -309,3 +326,15 @@ def _in_store_order(cache, window: int | None, rotation: int = 0) -> tuple[mx.ar
             [values[..., window - shift:, :], values[..., : window - shift, :]], axis=2
         )
     return keys, values
+
+
+def _in_temporal_order(keys: mx.array, values: mx.array, length: int, window: int,
+                       rotation: int) -> tuple[mx.array, mx.array]:
+    """A window's ring of one row (position p in column (p - rotation) % window) as
+    its last ``min(length, window)`` positions, oldest first."""
+    held = min(length, window)
+    start = (length - held - rotation) % window  # the column of the oldest position held
+    if held < window or start == 0:  # a ring not yet full has rotation 0
+        return keys[:, :, start:start + held], values[:, :, start:start + held]
+    return (mx.concatenate([keys[:, :, start:window], keys[:, :, :start]], axis=2),
+            mx.concatenate([values[:, :, start:window], values[:, :, :start]], axis=2))
