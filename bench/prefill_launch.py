@@ -6,6 +6,7 @@ right after ``mx.async_eval`` returns, the pass is bound by that launch.
 
     python bench/prefill_launch.py --model DIR
     python bench/prefill_launch.py --model DIR --only new-length --passes 10 [--bucketed]
+    python bench/prefill_launch.py --model DIR --only same --cached 1000 --new 32
 
 Per pass: building the graph, then ``mx.async_eval``'s wall and CPU time, the wait for
 the device after it, and the graph's nodes (first pass of each series).
@@ -34,6 +35,8 @@ def main() -> None:
                         help="only continuing passes: repeating shapes, new ones, or a new cached "
                              "length or a new number of new tokens alone")
     parser.add_argument("--passes", type=int, default=6, help="passes per series")
+    parser.add_argument("--cached", type=int, default=288, help="cached tokens of the repeating series")
+    parser.add_argument("--new", type=int, default=64, help="new tokens of the repeating series")
     parser.add_argument("--bucketed", action="store_true",
                         help="pad each pass to its coarse length, as bucketed last passes are")
     args = parser.parse_args()
@@ -79,9 +82,9 @@ def main() -> None:
                   + (f", {nodes} nodes" if nodes else ""))
 
     passes = args.passes
-    series("warm-up", [(288, 64)] * 2)
+    series("warm-up", [(args.cached, args.new)] * 2)
     if args.only in (None, "same"):
-        series("continuing, same", [(288, 64)] * passes)
+        series("continuing, same", [(args.cached, args.new)] * passes)
     if args.only in (None, "new"):
         series("continuing, new", [(288 + 7 * i, 60 + 3 * i) for i in range(1, passes + 1)])
     if args.only == "new-offset":

@@ -1,12 +1,14 @@
-"""The engine's CUDA decode-attention kernels (``engine/decode/cuda_attention.py``):
-close to MLX's own attention, and a row's output the same to the bit batched as alone.
-They run only where MLX has its CUDA backend (skipped elsewhere, CI included)."""
+"""The engine's CUDA attention kernels (``engine/decode/cuda_attention.py``), for decode
+steps and for short prefill passes: close to MLX's own attention, and a row's output
+the same to the bit batched as alone. They run only where MLX has its CUDA backend
+(skipped elsewhere, CI included)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.base import create_causal_mask
 
 from vlm_serve.engine.decode import cuda_attention
 
@@ -68,3 +70,52 @@ def test_heads_sharing_a_block_compute_what_each_computes_alone(heads, kv_heads,
     for group in [g for g in range(2, shared + 1) if shared % g == 0 and g * dim <= cuda_attention.GROUP_FLOATS]:
         grouped = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5, group=group)
         assert np.array_equal(np.array(grouped.astype(mx.float32)), one), f"{group} heads per block"
+
+
+def _pass(rng, prompts, heads, kv_heads, dim, columns, length, dtype):
+    q = mx.array(rng.standard_normal((prompts, heads, length, dim)).astype(np.float32)).astype(dtype)
+    _, keys, values = _store(rng, prompts, heads, kv_heads, dim, columns, dtype)
+    return q, keys, values
+
+
+def _prefill_reference(q, keys, values, scale, window):
+    """MLX's attention with mlx-lm's causal mask for the last L of the keys' columns, on
+    the CPU: on CUDA it composes matmuls, which MLX runs in TF32 for float32."""
+    prompts, heads, length, dim = q.shape
+    with mx.stream(mx.cpu):
+        mask = create_causal_mask(length, keys.shape[2] - length, window_size=window)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        return out.transpose(0, 2, 1, 3).reshape(prompts * length, heads * dim)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (8, 1, 64), (16, 8, 128)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("columns, length, window", [
+    (64, 64, None),  # a first pass: no cached keys
+    (352, 64, None),  # a chat's next turn going on from 288 cached keys
+    (300, 16, 32),  # a sliding window far behind
+    (1100, 48, 1024),  # a window that just filled
+    (40, 1, None),  # one query
+])
+def test_prefill_matches_mlx_attention(heads, kv_heads, dim, dtype, columns, length, window):
+    rng = np.random.default_rng(columns + length)
+    q, keys, values = _pass(rng, 2, heads, kv_heads, dim, columns, length, dtype)
+    scale = dim**-0.5
+    ours = cuda_attention.prefill_attention(q, keys, values, scale, window)
+    theirs = _prefill_reference(q, keys, values, scale, window)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(
+        np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_prompt_in_a_shared_pass_equals_it_alone(dtype):
+    """Prompts sharing a pass (one cached length, one padded length) never change each
+    other's queries."""
+    rng = np.random.default_rng(1)
+    q, keys, values = _pass(rng, 3, 8, 4, 256, 330, 32, dtype)
+    together = np.array(cuda_attention.prefill_attention(q, keys, values, 1 / 16).astype(mx.float32))
+    for i in range(3):
+        alone = cuda_attention.prefill_attention(q[i:i + 1], keys[i:i + 1], values[i:i + 1], 1 / 16)
+        assert np.array_equal(np.array(alone.astype(mx.float32)), together[32 * i:32 * (i + 1)]), f"prompt {i}"

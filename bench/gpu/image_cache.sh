@@ -6,7 +6,8 @@
 # (a copy from before the image cache) and labels the files "before-".
 # IMAGE="--image-format jpeg" changes the chat's image (default: 896 px noise as PNG,
 # a 3.2 MB body; bench/multiturn.py's options). MAX_TOKENS: each answer's length (32).
-#   OUT=DIR [BEFORE=DIR] [MODES="warm cold none"] [IMAGE=...] [MAX_TOKENS=N] bash bench/gpu/image_cache.sh
+# BREAKDOWN=0 skips the preprocessing profile and the in-process breakdown.
+#   OUT=DIR [BEFORE=DIR] [MODES="warm cold none"] [IMAGE=...] [MAX_TOKENS=N] [BREAKDOWN=0] bash bench/gpu/image_cache.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-image-cache}
 MODES=${MODES:-warm cold none}
@@ -20,7 +21,7 @@ OUT=$(cd "$OUT" && pwd)
 label=after SERVE_DIR=$PWD
 if [ -n "${BEFORE:-}" ]; then export PYTHONPATH=$BEFORE:$PWD; label=before SERVE_DIR=$BEFORE; fi
 (cd "$SERVE_DIR" && python3 -c 'import mlx.core as mx, vlm_serve; print("mlx", mx.__version__, mx.default_device(), vlm_serve.__file__)') | tee "$OUT/$label-device.txt"
-python3 bench/preprocess_profile.py --repeats 10 | tee "$OUT/$label-preprocess.md"
+[ "${BREAKDOWN:-1}" = 0 ] || python3 bench/preprocess_profile.py --repeats 10 | tee "$OUT/$label-preprocess.md"
 for mode in $MODES; do
   case $mode in
     warm) extra="" ;;
@@ -35,4 +36,4 @@ for mode in $MODES; do
     --image-size 896 ${IMAGE:-} --max-tokens ${MAX_TOKENS:-32} --result-json "$OUT/$label-$mode.json" | grep -A6 ttft_ms
   kill -TERM $pid; wait $pid
 done
-python3 bench/multiturn_breakdown.py --model "$MODEL" --conversations 3 --turns 3 | tee "$OUT/$label-breakdown.md"
+[ "${BREAKDOWN:-1}" = 0 ] || python3 bench/multiturn_breakdown.py --model "$MODEL" --conversations 3 --turns 3 | tee "$OUT/$label-breakdown.md"

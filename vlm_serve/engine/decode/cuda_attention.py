@@ -67,7 +67,11 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 """
 
-_PARTIAL = """
+# Pass 1 is one body after one of two openings, which say what the block's query row
+# is: a decode row (its own keys, its count of them) or a prefill query (the keys of
+# its prompt, causal and within a window). Both set ``first``/``count`` (the columns
+# the row attends to), ``k_row``/``v_row`` and the block's queries in ``q_s``.
+_COMMON = """
   constexpr int VEC = 16 / sizeof(T);  // elements of one 16-byte load
   constexpr int STEP = D % VEC == 0 ? VEC : 1;  // elements per load: rows in whole 16 bytes
   constexpr int SPANS = (D + 32 * STEP - 1) / (32 * STEP);  // a lane's runs of value dims
@@ -78,16 +82,34 @@ _PARTIAL = """
   const int columns = keys_shape[2];
   const int head0 = group * QG;  // this block's query heads: head0 .. head0 + QG - 1
   const int kv_head = head0 / (heads / KV_HEADS);
-  const int count = min(counts[row], columns);
-
-  const size_t kv_offset = ((size_t)row * KV_HEADS + kv_head) * columns * D;
-  const T* k_row = keys + kv_offset;
-  const T* v_row = values + kv_offset;
-
   __shared__ float q_s[QG][D];
+"""
+
+_DECODE_ROW = """
+  // q (slots, heads, 1, D); keys (slots, KV_HEADS, columns, D): row `row`'s own.
+  const int first = 0, count = min(counts[row], columns);
+  const size_t kv_offset = ((size_t)row * KV_HEADS + kv_head) * columns * D;
   for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
     q_s[i / D][i % D] = static_cast<float>(q[((size_t)row * heads + head0) * D + i]);
   }
+"""
+
+_PREFILL_ROW = """
+  // q (B, heads, L, D): a pass's L queries per prompt, the last L of its keys' columns
+  // (B, KV_HEADS, columns, D). Row `row` is query qi of prompt b; it attends causally,
+  // to the last WINDOW columns up to its own where WINDOW > 0.
+  const int L = q_shape[2], b = row / L, qi = row % L;
+  const int count = columns - L + qi + 1;
+  const int first = WINDOW > 0 ? max(0, count - WINDOW) : 0;
+  const size_t kv_offset = ((size_t)b * KV_HEADS + kv_head) * columns * D;
+  for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
+    q_s[i / D][i % D] = static_cast<float>(q[(((size_t)b * heads + head0 + i / D) * L + qi) * D + i % D]);
+  }
+"""
+
+_PARTIAL = """
+  const T* k_row = keys + kv_offset;
+  const T* v_row = values + kv_offset;
   __syncthreads();
 
   // Lane `lane` owns value dims (span * 32 + lane) * STEP .. + STEP.
@@ -97,8 +119,9 @@ _PARTIAL = """
     m[h] = NEG_INF;
     l[h] = 0.0f;
   }
-  const int start = chunk * CHUNK + warp * PER_WARP;
-  const int stop = min(start + PER_WARP, count);
+  const int run = chunk * CHUNK + warp * PER_WARP;  // this warp's fixed run of columns
+  const int start = max(run, first);
+  const int stop = min(run + PER_WARP, count);
   // Rounds of 32 columns, one per lane: each lane's dot products run over its own key
   // in dim order, so no lane waits on another's until the round's max and sum.
   for (int c0 = start; c0 < stop; c0 += 32) {
@@ -207,20 +230,21 @@ def available() -> bool:
 
 
 @functools.cache
-def _kernels(scale: float):
+def _kernels(scale: float, prefill: bool = False):
     # The scale is a compile-time constant of the kernel (MLX's template arguments
     # take ints, bools and dtypes only).
     header = _HEADER + f"#define SCALE {float(scale)!r}f\n"
     tag = f"{float(scale)!r}".replace(".", "p").replace("-", "m")
+    kind = "prefill" if prefill else "decode"
     partial = mx.fast.cuda_kernel(
-        name=f"vlm_decode_attention_partial_{tag}",
-        input_names=["q", "keys", "values", "counts"],
+        name=f"vlm_{kind}_attention_partial_{tag}",
+        input_names=["q", "keys", "values"] if prefill else ["q", "keys", "values", "counts"],
         output_names=["partial"],
-        source=_PARTIAL,
+        source=_COMMON + (_PREFILL_ROW if prefill else _DECODE_ROW) + _PARTIAL,
         header=header,
     )
     combine = mx.fast.cuda_kernel(
-        name=f"vlm_decode_attention_combine_{tag}",
+        name=f"vlm_{kind}_attention_combine_{tag}",
         input_names=["partial"],
         output_names=["out"],
         source=_COMBINE,
@@ -246,26 +270,49 @@ def decode_attention(
     ``heads_per_block``; any divisor of the heads sharing a key/value head gives the
     same bits). Returns (slots, heads * dim) in ``q``'s dtype."""
     slots, heads, _, dim = q.shape
+    return _attention(_kernels(scale), [q, keys, values, counts], slots, heads, dim, group, [])
+
+
+def prefill_attention(
+    q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
+    group: int | None = None,
+) -> mx.array:
+    """A prefill pass's attention: ``q`` (prompts, heads, L, dim), the queries of the
+    last L of the keys' columns; ``keys``/``values`` (prompts, kv_heads, columns, dim).
+    Each query attends causally, to at most the last ``window`` columns up to its own
+    where given (mlx-lm's causal masks). Returns (prompts * L, heads * dim): each
+    query's heads side by side, as the output projection takes them. A query reads its
+    prompt's keys only, so other prompts in the pass never change it."""
+    prompts, heads, length, dim = q.shape
+    window = [("WINDOW", window or 0)]
+    return _attention(_kernels(scale, prefill=True), [q, keys, values], prompts * length,
+                      heads, dim, group, window)
+
+
+def _attention(kernels, inputs: list, rows: int, heads: int, dim: int, group: int | None,
+               template: list) -> mx.array:
+    """Pass 1 then pass 2 over ``rows`` query rows (``inputs``: q, keys, values, ...)."""
+    q, keys = inputs[0], inputs[1]
     kv_heads, columns = keys.shape[1], keys.shape[2]
     chunks = max(1, -(-columns // CHUNK))
     group = group or heads_per_block(heads, kv_heads, dim)
-    partial_kernel, combine_kernel = _kernels(scale)
+    partial_kernel, combine_kernel = kernels
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads), ("QG", group),
-                ("CHUNK", CHUNK), ("WARPS", WARPS)]
+                ("CHUNK", CHUNK), ("WARPS", WARPS), *template]
     (partial,) = partial_kernel(
-        inputs=[q, keys, values, counts],
+        inputs=inputs,
         template=template,
-        grid=(chunks * WARPS * 32, heads // group, slots),
+        grid=(chunks * WARPS * 32, heads // group, rows),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(slots, heads, chunks, dim + 2)],
+        output_shapes=[(rows, heads, chunks, dim + 2)],
         output_dtypes=[mx.float32],
     )
     (out,) = combine_kernel(
         inputs=[partial],
         template=[("T", q.dtype), ("D", dim)],
-        grid=(128, heads, slots),
+        grid=(128, heads, rows),
         threadgroup=(128, 1, 1),
-        output_shapes=[(slots, heads * dim)],
+        output_shapes=[(rows, heads * dim)],
         output_dtypes=[q.dtype],
     )
     return out

@@ -10,6 +10,9 @@ load, the model's own projections left as views of the fused weights), activatio
 Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
 own masks, caches and attention, and the output layer on the last position only: on
 the CPU their logits equal the model code's bit for bit (``tests/test_gemma3_prefill.py``).
+On CUDA a short pass (a chat's next turn) takes the engine's own attention kernel
+instead (``attention.prefill_attend``): Gemma 3's head size takes MLX's composed
+fallback there, ~20 graph nodes a layer, 40% of such a pass's launch on the host.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from mlx_vlm.models.base import (
 )
 from mlx_vlm.models.gemma3.language import clip_residual
 
-from .attention import attend
+from .attention import attend, prefill_attend
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
 from .store import LayerKind
@@ -54,20 +57,38 @@ class Gemma3Decoder(StepDecoder):
         runs it (the same masks, caches and attention), on the fused weights: each
         row's hidden state at its position in ``last`` (default: the pass's last),
         before the final norm."""
-        text = self.lm.model
         h = inputs_embeds * self.embed_scale.astype(inputs_embeds.dtype)
-        pattern = text.sliding_window_pattern
-        full_mask = create_attention_mask(h, cache[pattern - 1])
-        window_mask = create_attention_mask(h, cache[0], window_size=text.window_size) if pattern > 1 else None
         B, L, hidden = h.shape
+        attends = {}  # one per layer kind: its mask is built once for the pass
+        for kind, layer_cache in zip(self.layer_kinds, cache):
+            if kind.window not in attends:
+                attends[kind.window] = self._pass_attention(h, layer_cache, kind.window)
         h = h.reshape(B * L, hidden)
         for layer, kind, layer_cache in zip(self.layers, self.layer_kinds, cache):
-            mask = full_mask if kind.window is None else window_mask
-            h = layer.prefill(h, B, L, mask, layer_cache)
+            h = layer.prefill(h, B, L, layer_cache, attends[kind.window])
         h = h.reshape(B, L, hidden)
         if last is None:
             return h[:, -1, :]
         return mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0, :]
+
+    def _pass_attention(self, h: mx.array, cache, window: int | None):
+        """The attention of one pass's layers of one kind (``window``, from a cache of
+        theirs): ``(q, keys, values, cache) -> (B * L, heads * dim)``."""
+        B, L, _ = h.shape
+        scale = self.lm.model.layers[0].self_attn.scale
+        kernel = prefill_attend(L, scale, window)
+        if kernel is not None:
+            return lambda q, keys, values, _: kernel(q, keys, values)
+        mask = create_attention_mask(h, cache, window_size=window)
+
+        def attend_mlx(q, keys, values, layer_cache):
+            m = mask
+            if isinstance(m, mx.array) and m.shape[-1] != kv_sequence_length(keys):
+                m = m[..., -kv_sequence_length(keys):]
+            out = scaled_dot_product_attention(q, keys, values, layer_cache, scale=scale, mask=m)
+            return out.transpose(0, 2, 1, 3).reshape(B * L, -1)
+
+        return attend_mlx
 
     def head_of(self, hidden: mx.array) -> mx.array:
         """Logits of last-position hidden states from ``prefill``."""
@@ -120,9 +141,10 @@ class _Layer:
         keys, values = write(index, k, v)
         return self._after_attention(x, self.o_proj(attend(q, keys, values, attn.scale, visible)))
 
-    def prefill(self, x: mx.array, B: int, L: int, mask, cache) -> mx.array:
+    def prefill(self, x: mx.array, B: int, L: int, cache, attention) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
-        ``TransformerBlock`` on the fused weights)."""
+        ``TransformerBlock`` on the fused weights); ``attention`` its pass's, for the
+        layer's kind (``Gemma3Decoder._pass_attention``)."""
         attn = self.attn
         x = clip_residual(x)
         q, k, v = self._qkv(x)
@@ -132,10 +154,7 @@ class _Layer:
         q = attn.rope(q, offset=cache.offset)
         k = attn.rope(k, offset=cache.offset)
         keys, values = cache.update_and_fetch(k, v)
-        if isinstance(mask, mx.array) and mask.shape[-1] != kv_sequence_length(keys):
-            mask = mask[..., -kv_sequence_length(keys):]
-        out = scaled_dot_product_attention(q, keys, values, cache, scale=attn.scale, mask=mask)
-        return self._after_attention(x, self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, -1)))
+        return self._after_attention(x, self.o_proj(attention(q, keys, values, cache)))
 
     def _qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values of ``x`` (2-D), from the one fused projection."""
