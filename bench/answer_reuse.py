@@ -22,10 +22,10 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import make_image_array  # noqa: E402
@@ -36,8 +36,9 @@ from vlm_serve.preprocess.media import MediaPolicy  # noqa: E402
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat  # noqa: E402
 from vlm_serve.server import build_engine  # noqa: E402
 
-QUESTION = "Describe this picture in detail."
-FOLLOW_UP = "Tell me more about it."
+QUESTION = {"role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "Describe this picture in detail."}]}
+FOLLOW_UP = {"role": "user", "content": "Tell me more about it."}
 
 
 async def generate(engine, prepared) -> tuple[float, list[int], int]:
@@ -57,11 +58,9 @@ async def generate(engine, prepared) -> tuple[float, list[int], int]:
 def turn_two(ctx, first, answer: list[int], image):
     """Turn 1's prompt ids, the answer's ids, then the template's ids for the follow-up."""
     tokenizer = getattr(ctx.processor, "tokenizer", ctx.processor)
-    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
-    opening = render_chat(ctx, [user])
+    opening = render_chat(ctx, [QUESTION])
     marker = "ANSWER"
-    whole = render_chat(ctx, [user, {"role": "assistant", "content": marker},
-                              {"role": "user", "content": FOLLOW_UP}])
+    whole = render_chat(ctx, [QUESTION, {"role": "assistant", "content": marker}, FOLLOW_UP])
     assert whole.startswith(opening), "the template renders turn 1 differently in turn 2"
     tail = whole[whole.index(marker, len(opening)) + len(marker):]
     prepared = prepare_prompt(ctx, first.request_id + "-2", whole,
@@ -84,19 +83,22 @@ def main() -> None:
     engine = build_engine(ServerConfig(model=args.model, log_level="warning"))
     loaded = engine.loaded
     ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 1, loaded.chat_template)
-    from PIL import Image
-
+    tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
+    special = tokenizer.all_special_ids
     results = {}
     for n in map(int, args.answer_tokens.split(",")):
         rows = []
         for c in range(args.conversations + 1):  # the first conversation warms up
             image = Image.fromarray(make_image_array(np.random.default_rng(1000 * n + c),
                                                      args.image_size, args.image_size, "noise"))
-            prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
-            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            prompt = render_chat(ctx, [QUESTION])
+            # No special tokens in the answer, as in a real model's (a random model's may
+            # hold an image placeholder, one too many for turn 2's images).
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                    logit_bias={t: -1e9 for t in special})
             first = prepare_prompt(ctx, f"c{n}-{c}", prompt, params, [image])
             ttft1, answer, _ = asyncio.run(generate(engine, first))
-            second = turn_two(ctx, replace(first), answer, image)
+            second = turn_two(ctx, first, answer, image)
             ttft2, _, cached = asyncio.run(generate(engine, second))
             if c:
                 rows.append((ttft1, ttft2, second.num_prompt_tokens, cached))

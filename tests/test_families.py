@@ -424,6 +424,14 @@ def test_each_family_over_http_with_the_openai_client(arch, start_server):
         server.stop()
 
 
+def _serves_a_chat(engine) -> None:
+    ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
+                        engine.loaded.chat_template)
+    prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])
+    prepared = prepare_prompt(ctx, "after", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    assert run_jobs(engine, [(prepared, None, None)])["after"]["error"] is None
+
+
 def test_warm_up_runs_text_and_image_before_ready(caplog):
     """--warmup: text, image, sampled and prefix-reusing requests run once at startup,
     then a batch of every slot bucket up to --max-num-seqs, and the engine serves
@@ -441,11 +449,7 @@ def test_warm_up_runs_text_and_image_before_ready(caplog):
                              r.getMessage()) for r in caplog.records)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
-        ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
-                            engine.loaded.chat_template)
-        prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])
-        prepared = prepare_prompt(ctx, "after", prompt, SamplingParams(max_tokens=3, temperature=0.0))
-        assert run_jobs(engine, [(prepared, None, None)])["after"]["error"] is None
+        _serves_a_chat(engine)
     finally:
         engine.shutdown()
 
@@ -474,10 +478,6 @@ def test_warm_up_runs_each_padded_pass_length_where_passes_are_padded(caplog, mo
         assert any("padded passes of 16-64 tokens (4)" in r.getMessage() for r in caplog.records)
         passes = {rid: n for rid, n in new_tokens.items() if rid.startswith("warm-up-pass-")}
         assert passes == {f"warm-up-pass-{n}": n for n in (16, 32, 48, 64)}
-        ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
-                            engine.loaded.chat_template)
-        prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])
-        prepared = prepare_prompt(ctx, "after", prompt, SamplingParams(max_tokens=3, temperature=0.0))
-        assert run_jobs(engine, [(prepared, None, None)])["after"]["error"] is None
+        _serves_a_chat(engine)
     finally:
         engine.shutdown()
