@@ -248,11 +248,31 @@ def prepare_chat(
         budget = PixelBudget(ctx.max_pixels_per_request) if ctx.max_pixels_per_request else None
         images = [load_chat_image(ctx, ref, budget) for ref in chat_images(ctx, messages)]
     hf_messages, _ = _template_messages(messages)
+    if images:
+        _refuse_typed_placeholders(ctx, hf_messages)
     uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools and not ctx.chat_format.handles_tools:
         hf_messages, tools = inline_tools(hf_messages, tools or []), None
     prompt = render_chat(ctx, hf_messages, tools, template_kwargs, add_generation_prompt)
     return prepare_prompt(ctx, request_id, prompt, sampling, images)
+
+
+def _refuse_typed_placeholders(ctx: PromptContext, messages: list[dict]) -> None:
+    """A message's text must not hold the processor's image placeholder token in a
+    request with images: the processor expands the placeholders the template puts per
+    image, so a typed one would stand for an image the request does not have (Gemma 3's
+    processor lets it through, and the vision step then fails on the count)."""
+    token = getattr(ctx.processor, "image_token", None)
+    if not isinstance(token, str) or not token:
+        return
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        texts = [content] if isinstance(content, str) else [
+            part["text"] for part in content or [] if part.get("type") == "text"
+        ]
+        if any(token in text for text in texts):
+            raise PromptError(f"messages[{i}] holds {token!r}, this model's image placeholder: "
+                              "send images as image_url parts", f"messages[{i}].content")
 
 
 def check_prompt_size(ctx: PromptContext, text_bytes: int) -> None:
