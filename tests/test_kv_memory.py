@@ -114,6 +114,36 @@ def test_cached_prefixes_are_evicted_before_a_request_waits(start_server):
     assert after["kv_memory_peak"] <= sch.memory.limit
 
 
+def test_an_answer_with_no_room_is_not_copied_out(start_server, monkeypatch):
+    """A finished row's KV is copied out for the prefix cache only where the entry
+    would be kept: with no room for prompt and answer, no copy is made (it would take
+    memory beyond the budget only to be dropped); with room, it is."""
+    from vlm_serve.engine.batch import Batch
+
+    server = start_server("gemma3", max_num_seqs=2)
+    sch = server.scheduler
+    copies = []  # rows whose KV was copied out
+
+    def row_cache(self, index, own=Batch.row_cache):
+        copies.append(index)
+        return own(self, index)
+
+    monkeypatch.setattr(Batch, "row_cache", row_cache)
+
+    def answer(words: str) -> None:
+        r = server.client().chat.completions.create(model=MODEL, messages=user(words), max_tokens=64,
+                                                    temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 64
+
+    p = prompt_tokens(server, user("the prompt and its long answer"))
+    sch.prefix_cache.max_bytes = sch.memory.layout.cache_bytes(p + 8)  # not 64 tokens more
+    answer("the prompt and its long answer")
+    assert copies == []
+    sch.prefix_cache.max_bytes = 1 << 30  # room: the next answer is kept
+    answer("another prompt and its answer")
+    assert copies == [0]
+
+
 def test_the_queue_stays_bounded_while_requests_wait_for_memory(start_server):
     server = start_server("gemma3", kv_cache_memory="1MiB", max_num_seqs=4, max_queue_size=8)
     sch = server.scheduler

@@ -171,6 +171,14 @@ class KVLayout:
         """Per token of context, every layer (sliding-window layers uncapped)."""
         return sum(layer.bytes_per_token for layer in self.layers)
 
+    def cache_bytes(self, tokens: int) -> int:
+        """What a cache holding exactly ``tokens`` tokens takes (a sliding-window layer
+        at most its window): a prefix-cache entry."""
+        total = self.fixed_bytes
+        for layer in self.layers:
+            total += min(tokens, layer.window or tokens) * layer.bytes_per_token
+        return math.ceil(total)
+
     def row_bytes(self, length: int, held_columns: int = 0) -> int:
         """Most one row of the batch holds while the batch's longest row is ``length``
         tokens long (full layers: up to one allocation step ahead, or the columns the

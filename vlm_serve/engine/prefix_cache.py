@@ -107,11 +107,17 @@ class PrefixCache:
         afterwards (rows join the batch by copy, so a finished prefill's cache is free).
         An entry larger than the room the budget leaves is not kept; older entries are
         evicted to make room for one that fits."""
-        room = min(self.max_bytes, self.room() if self.room else _UNBOUNDED)
-        if self.max_entries <= 0 or cache_bytes(cache) > room:
+        if not self.fits(cache_bytes(cache)):
             return
         self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
-        self.evict_to(room)
+        self.evict_to(self._room())
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` would be kept (see ``store``)."""
+        return self.max_entries > 0 and nbytes <= self._room()
+
+    def _room(self) -> int:
+        return min(self.max_bytes, self.room() if self.room else _UNBOUNDED)
 
     def evict_to(self, max_bytes: int) -> None:
         """Evict the least recently stored entries until the cache holds at most

@@ -674,11 +674,13 @@ class Scheduler:
                 prefix_cacheable(self.family, request)
             ):
                 continue
+            tokens = request.input_ids.tolist() + state.tokens
+            if not self.prefix_cache.fits(self.memory.layout.cache_bytes(len(tokens))):
+                continue  # copied out only to be refused: no room under the budget
             try:
                 cache = self.batch.row_cache(rows[id(state)])
                 if cache is None:
                     return  # this batch's caches cannot be split per row
-                tokens = request.input_ids.tolist() + state.tokens
                 held = cache[0].offset  # the prompt and the tokens decoded from so far
                 if len(request.input_ids) < held <= len(tokens):
                     self.prefix_cache.store(cache_key(self.family, request, tokens[:held]), cache)
