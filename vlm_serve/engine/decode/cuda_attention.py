@@ -1,4 +1,5 @@
-"""Decode attention as two CUDA kernels: one new token per row over the slot store.
+"""Attention as two CUDA kernels: one new token per row over the slot store (decode),
+and the queries of a short prefill pass over their prompts' caches.
 
 MLX's fused single-query kernel takes no mask, so on CUDA a batched decode step (rows of
 different lengths) falls back to MLX's composition: a dozen graph nodes per layer, the
@@ -24,6 +25,11 @@ The split of columns into chunks and warps depends only on fixed constants and t
 row's own count, and each head's arithmetic is the same whatever heads share its block,
 so a row batched and the same row alone take the same arithmetic (``tests/
 test_cuda_attention.py``, on a CUDA machine).
+
+A prefill pass (``prefill_attention``) takes each of its queries as a row: the keys of
+its prompt, causal and within a window, as mlx-lm's masks have them. For Gemma 3's
+head size MLX composes prefill attention on CUDA (about 20 graph nodes a layer); this
+is 2. Each query reads its keys on its own, so only short passes take it.
 """
 
 from __future__ import annotations
@@ -284,9 +290,8 @@ def prefill_attention(
     query's heads side by side, as the output projection takes them. A query reads its
     prompt's keys only, so other prompts in the pass never change it."""
     prompts, heads, length, dim = q.shape
-    window = [("WINDOW", window or 0)]
     return _attention(_kernels(scale, prefill=True), [q, keys, values], prompts * length,
-                      heads, dim, group, window)
+                      heads, dim, group, [("WINDOW", window or 0)])
 
 
 def _attention(kernels, inputs: list, rows: int, heads: int, dim: int, group: int | None,
