@@ -77,7 +77,6 @@ class RequestState:
     request: PreparedRequest
     text: TextAssembler
     prefill: Prefill | None = None
-    generated: int = 0
     tokens: list[int] = field(default_factory=list)  # the ids generated so far
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -92,6 +91,10 @@ class RequestState:
     @property
     def id(self) -> str:
         return self.request.request_id
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens)
 
 
 @dataclass
@@ -713,7 +716,6 @@ class Scheduler:
     def _accept(self, state: RequestState, token: int, logprob: TokenLogprob | None) -> bool:
         """Account one sampled token; returns True when the request has finished."""
         params = state.request.sampling
-        state.generated += 1
         state.tokens.append(token)
         if state.first_token_at is None:
             state.first_token_at = time.monotonic()
