@@ -15,6 +15,8 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..weight_layout import for_matmul
+
 _PARAMS = ("weight", "scales", "biases", "bias")
 
 
@@ -55,6 +57,8 @@ def fuse_linears(linears: list[nn.Module]) -> tuple[StepLinear, list[int]]:
     fused = copy.copy(linears[0])
     for name in names:
         fused[name] = mx.concatenate([layer[name] for layer in linears], axis=0)
+    if "weight" in fused:
+        fused["weight"] = for_matmul(fused["weight"])
     mx.eval(fused.parameters())
     rows = [layer["weight"].shape[0] for layer in linears]
     start = 0
