@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import openai
 import pytest
@@ -361,3 +362,72 @@ def test_slot_buckets_are_every_slot_count_a_batch_can_take():
 
     for limit in (1, 3, 12, 100, 300):
         assert slot_buckets(limit) == sorted({slot_bucket(rows) for rows in range(1, limit + 1)})
+
+
+def _row_caches(n_rows: int, layers: int, length: int, seed: int) -> list[list]:
+    """Per row, per layer, an mlx-lm cache holding ``length - row`` random keys/values."""
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    rows = []
+    for row in range(n_rows):
+        caches = []
+        for _ in range(layers):
+            cache = KVCache()
+            k, v = (mx.random.normal((1, 2, length - row, 64)) for _ in range(2))
+            cache.update_and_fetch(k, v)
+            caches.append(cache)
+        rows.append(caches)
+    mx.eval([c.state for caches in rows for c in caches])
+    return rows
+
+
+def test_rows_joining_and_leaving_copy_each_layer_at_most_once():
+    """A store's rows join with one update per layer and leave with one gather per
+    layer. Row by row, every joining or moved row copied each layer whole, all queued
+    together: rows ending together held several copies of the store at once."""
+    from vlm_serve.engine.decode.store import LayerKind, SlotStore
+
+    layers, n_rows, length = 4, 32, 300
+    store = SlotStore([LayerKind(None)] * layers, kv_heads=2, head_dim=64)
+    rows = _row_caches(n_rows, layers, length, seed=3)
+    store.join(rows[:4])
+    mx.eval(store.keys, store.values)
+
+    before, joining = mx.get_active_memory(), 28 * layers * 2 * 2 * length * 64 * 4
+    mx.reset_peak_memory()
+    store.join(rows[4:])  # one store's worth of fresh arrays, then the update in place
+    mx.eval(store.keys, store.values)
+    assert mx.get_peak_memory() - before <= 1.2 * store.nbytes + 2.5 * joining  # rows padded, stacked
+
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    order = store.keep(list(range(0, n_rows, 2)))  # 16 leave, 8 of them refilled
+    mx.eval(store.keys, store.values)
+    assert mx.get_peak_memory() - before <= 1.2 * store.nbytes
+
+    assert store.lengths == [length - old for old in order]
+    for slot, old in enumerate(order):
+        held = length - old
+        for layer in range(layers):
+            assert mx.array_equal(store.keys[layer][slot, :, :held], rows[old][layer].keys[0, :, :held]).item()
+            assert mx.array_equal(store.values[layer][slot, :, :held], rows[old][layer].values[0, :, :held]).item()
+
+
+def test_freed_buffers_kept_by_mlx_are_capped_under_the_devices_share(monkeypatch):
+    """MLX's cache of freed buffers is capped so that it, the weights and the KV limit
+    stay under ``BUFFER_CACHE_CEILING`` of the device (at least ``MIN_BUFFER_CACHE``)."""
+    from vlm_serve.engine import memory
+    from vlm_serve.engine.memory import BUFFER_CACHE_CEILING, MIN_BUFFER_CACHE, bound_buffer_cache
+
+    gib = 1 << 30
+    monkeypatch.setattr(memory, "device_memory", lambda: (100 * gib, "a test device"))
+    monkeypatch.setattr(memory, "weights_bytes", lambda model: 8 * gib)
+    previous = mx.set_cache_limit(0)
+    try:
+        cap = bound_buffer_cache(50 * gib, model=None)
+        assert cap == int(BUFFER_CACHE_CEILING * 100 * gib) - 58 * gib
+        assert mx.set_cache_limit(0) == cap  # what MLX was given
+        assert bound_buffer_cache(90 * gib, model=None) == MIN_BUFFER_CACHE
+    finally:
+        mx.set_cache_limit(previous)

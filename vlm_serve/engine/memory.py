@@ -40,6 +40,12 @@ DEFAULT_FRACTION = 0.8
 # A default that leaves less than this share of the device's memory for KV means the
 # weights barely fit; serve anyway with this share rather than none.
 MIN_DEFAULT_FRACTION = 0.1
+# MLX keeps freed buffers for reuse, by default up to its own memory limit (95% of a
+# CUDA GPU). Buffers of shapes the server has stopped using then hold device memory
+# that a new shape cannot get. Weights, the KV limit and that cache together stay under
+# this share of the device; the rest is for the step's temporaries and the backend.
+BUFFER_CACHE_CEILING = 0.9
+MIN_BUFFER_CACHE = 1 << 30
 
 _BINARY = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -125,6 +131,23 @@ def resolve_limit(spec: str | None, model) -> tuple[int, str]:
         limit = int(MIN_DEFAULT_FRACTION * total)
         how = f"{MIN_DEFAULT_FRACTION:g} of {format_bytes(total)} {source}"
     return limit, how
+
+
+def bound_buffer_cache(kv_limit: int, model) -> int:
+    """Cap MLX's cache of freed buffers so that it, the weights and ``kv_limit`` fit
+    ``BUFFER_CACHE_CEILING`` of the device (at least ``MIN_BUFFER_CACHE``); returns the cap."""
+    total, _ = device_memory()
+    cap = max(MIN_BUFFER_CACHE, int(BUFFER_CACHE_CEILING * total) - weights_bytes(model) - kv_limit)
+    mx.set_cache_limit(cap)
+    return cap
+
+
+def mlx_memory() -> str:
+    """What MLX's allocator holds now, for logs: arrays in use, freed buffers it keeps,
+    and the peak in use."""
+    return (f"mlx_active={format_bytes(mx.get_active_memory())} "
+            f"mlx_cache={format_bytes(mx.get_cache_memory())} "
+            f"mlx_peak={format_bytes(mx.get_peak_memory())}")
 
 
 @dataclass(frozen=True)

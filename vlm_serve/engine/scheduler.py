@@ -30,7 +30,8 @@ from .decode.store import slot_bucket
 from .detokenize import TextAssembler
 from .families import Family
 from .grammar import GrammarCompiler, allowed_tokens
-from .memory import Demand, Held, KVBudget, KVLayout, cache_bytes, format_bytes, resolve_limit
+from .memory import (Demand, Held, KVBudget, KVLayout, bound_buffer_cache, cache_bytes, format_bytes,
+                     mlx_memory, resolve_limit)
 from .prefill import Prefill, cache_key, prefix_cacheable
 from .prefill_batch import PrefillGroup
 from .prefix_cache import PrefixCache
@@ -191,6 +192,7 @@ class Scheduler:
                           short_copies=self.prefix_cache is not None and windowed,
                           slots=_slot_count(self.batch))
         log.info("KV cache memory limit: %s (%s); %s", format_bytes(limit), how, layout.describe())
+        log.info("freed buffers kept for reuse: at most %s", format_bytes(bound_buffer_cache(limit, model)))
         return budget
 
     def stats(self) -> dict:
@@ -503,7 +505,7 @@ class Scheduler:
                 for member in states:
                     self._restart_alone(member)
                 return 1
-            log.exception("prefill failed for %s", state.id)
+            log.exception("prefill failed for %s (%s)", state.id, mlx_memory())
             self.prefilling.remove(state)
             for member in (state, *state.copies):
                 self._finish(member, FinishReason.ERROR, error=f"prefill failed: {exc}")
@@ -567,7 +569,7 @@ class Scheduler:
             # read back only once that whole step had run, not once the prefill had.
             mx.async_eval([a for step in steps for a in (step.out.tokens, *step.extras)])
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this prompt
-            log.exception("prefill failed for %s", state.id)
+            log.exception("prefill failed for %s (%s)", state.id, mlx_memory())
             self.prefilling.remove(state)
             for member in group:
                 self._finish(member, FinishReason.ERROR, error=f"prefill failed: {exc}")
@@ -627,7 +629,7 @@ class Scheduler:
             for step in (self._inflight, *joining):
                 if step is not None:
                     touched.update({id(s): s for s in step.states})
-            log.exception("decode step failed for %d requests", len(touched))
+            log.exception("decode step failed for %d requests (%s)", len(touched), mlx_memory())
             self.batch.reset()
             self.running = []
             self._inflight = None
@@ -825,11 +827,11 @@ class Scheduler:
         if self.running or self.waiting or self.prefilling or self._stats["generated"]:
             log.info(
                 "engine: running=%d prefilling=%d waiting=%d generation=%.1f tokens/s "
-                "kv_memory=%s reserved=%s limit=%s prefix_cache=%d entries",
+                "kv_memory=%s reserved=%s limit=%s prefix_cache=%d entries %s",
                 len(self.running), len(self.prefilling), len(self.waiting),
                 self._stats["generated"] / elapsed, format_bytes(self.kv_memory_used),
                 format_bytes(self.kv_memory_reserved), format_bytes(self.memory.limit),
-                len(self.prefix_cache) if self.prefix_cache is not None else 0,
+                len(self.prefix_cache) if self.prefix_cache is not None else 0, mlx_memory(),
             )
         self._stats = {"generated": 0, "since": now}
 

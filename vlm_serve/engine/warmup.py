@@ -78,6 +78,9 @@ def warm_up(loaded, scheduler) -> None:
              f", padded passes of {passes[0]}-{passes[-1]} tokens ({len(passes)})" if passes else "",
              f", then batches of {', '.join(map(str, sizes))} rows," if sizes else "",
              time.monotonic() - started)
+    # Its shapes (the long prompt, a batch of every slot bucket) are not what serving
+    # starts with: their freed buffers go back to the device, not into MLX's cache.
+    mx.clear_cache()
 
 
 def _padded_passes(loaded, scheduler, base: PreparedRequest) -> list[int]:
