@@ -176,15 +176,15 @@ class SlotStore:
         ]
         first = self.rows
         for i, kind in enumerate(self.layer_kinds):
-            rows = [_in_store_order(caches[i], kind.window, turn.get(kind.window, 0))
-                    for caches, turn in zip(row_caches, rotations)]
+            joining = [_in_store_order(caches[i], kind.window, turn.get(kind.window, 0))
+                       for caches, turn in zip(row_caches, rotations)]
             # One update per layer for all joining rows (one per row copied the layer
             # whole for each, as in ``_move_rows``); shorter rows are padded with zeros
             # their counts never reach.
-            width = max(k.shape[2] for k, _ in rows)
+            width = max(k.shape[2] for k, _ in joining)
             for store, part in ((self.keys, 0), (self.values, 1)):
-                block = mx.concatenate([_pad_columns(row[part], width) for row in rows], axis=0)
-                store[i][first:first + len(rows), :, :width] = block
+                block = mx.concatenate([_pad_columns(row[part], width) for row in joining], axis=0)
+                store[i][first:first + len(joining), :, :width] = block
         self.lengths += lengths
         self.rotations += rotations
         self.shifts += shifts or [0] * len(row_caches)
