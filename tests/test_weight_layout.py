@@ -70,6 +70,7 @@ def test_a_tied_output_layer_still_shares_the_embedding():
 
 
 def test_other_backends_keep_the_checkpoints_layout(monkeypatch):
+    # No GPU here: the backend's answer is replaced, the rest runs as it would.
     monkeypatch.setattr(weight_layout, "wants_input_major", lambda: False)
     model, _ = vlm_load(str(cached_model("gemma3")))
     assert weight_layout.lay_out(model) == 0
