@@ -268,7 +268,6 @@ def test_the_flag_and_its_environment_variable():
 def test_prefix_cache_evicts_the_least_recently_used_entry():
     """A hit makes its entry the most recently used: a shared prefix in use stays while
     an entry nobody asks for is evicted."""
-    import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
     from vlm_serve.engine.prefix_cache import PrefixCache
@@ -302,7 +301,6 @@ def test_prefix_cache_picks_the_entry_mlx_lm_would_pick():
     prefix), for random prompts that share prefixes of every length."""
     import random
 
-    import mlx.core as mx
     from mlx_lm.models.cache import KVCache, LRUPromptCache
 
     from vlm_serve.engine.prefix_cache import PrefixCache
@@ -335,7 +333,6 @@ def test_prompts_reusing_one_prefix_get_caches_of_one_shape():
     """Two prompts that share the same 10 cached tokens, found through different stored
     prompts, get caches of the same shape (a sliding window that has not wrapped is cut
     to what it holds), so their prefill passes can be shared."""
-    import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache
 
     from vlm_serve.engine.prefix_cache import PrefixCache
