@@ -1,9 +1,11 @@
 """Request validation into sampling parameters."""
 
+import json
+
 import pytest
 
 from vlm_serve.api.errors import APIError
-from vlm_serve.api.schemas import parse_chat_request, sampling_from
+from vlm_serve.api.schemas import decode_json, parse_chat_request, sampling_from
 
 MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "top_k": 64}
 
@@ -44,3 +46,33 @@ def test_tool_choice_none_hides_tools_and_named_shows_one():
     assert parse_chat_request({**base, "tool_choice": "none"}, 100).active_tools == []
     named = parse_chat_request({**base, "tool_choice": {"type": "function", "function": {"name": "b"}}}, 100)
     assert named.active_tools == [tools[1]]
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": 1, "a": 2}',  # the last duplicate wins, as in the standard library
+    '{"x": [true, false, null, -0.0, 1E2, 1.5e-320, 1e308, 18446744073709551615]}',
+    '{"seed": 1180591620717411303424}',  # beyond 64 bits: the standard library decodes it
+    '"\\u00e9\\ud83d\\ude00 caf\\u00e9"',
+    '\ufeff{"bom": 1}',  # a UTF-8 byte order mark
+    ' {"url": "data:image/png;base64,' + "QUJD" * 50_000 + '"} ',
+])
+def test_decoded_bodies_equal_the_standard_librarys(text):
+    """Bodies are decoded by msgspec, or by the standard library where msgspec refuses
+    them: either way the result is what ``json.loads`` gives."""
+    raw = text.encode()
+    assert decode_json(raw) == json.loads(raw)
+
+
+def test_bodies_msgspec_refuses_get_the_standard_librarys_errors():
+    with pytest.raises(APIError) as nan:
+        decode_json(b'{"temperature": NaN}')
+    assert nan.value.param == "temperature"
+    with pytest.raises(APIError) as surrogate:
+        decode_json(b'{"messages": [{"role": "user", "content": "\\ud800"}]}')
+    assert surrogate.value.param == "messages[0].content"
+    with pytest.raises(APIError) as utf16:
+        decode_json('{"a": NaN}'.encode("utf-16"))
+    assert utf16.value.param == "a"
+    with pytest.raises(APIError) as bad_utf8:
+        decode_json(b'{"user": "\xff"}')
+    assert bad_utf8.value.code == "invalid_json"
