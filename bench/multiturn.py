@@ -31,8 +31,10 @@ def image_url(size: int, seed: int, fmt: str = "png", content: str = "noise") ->
     return encode_data_url(pixels, fmt)
 
 
-def ttft(client: httpx.Client, base_url: str, messages: list, max_tokens: int) -> tuple[float, str, int]:
-    """Seconds to the first content token, the answer, and the cached prompt tokens."""
+def ttft(client: httpx.Client, base_url: str, messages: list, max_tokens: int,
+         clock: list | None = None) -> tuple[float, str, int]:
+    """Seconds to the first content token, the answer, and the cached prompt tokens;
+    ``clock`` gets ``time.perf_counter()`` at the request's start and first token."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     # Serialized before the clock starts, as bench/serve.py does: a client's own JSON
@@ -54,7 +56,10 @@ def ttft(client: httpx.Client, base_url: str, messages: list, max_tokens: int) -
                 if piece:
                     first = first or time.perf_counter()
                     text += piece
-    return (first or time.perf_counter()) - start, text, cached
+    first = first or time.perf_counter()
+    if clock is not None:
+        clock += [start, first]
+    return first - start, text, cached
 
 
 def main() -> None:

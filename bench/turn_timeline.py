@@ -1,13 +1,14 @@
 """Where one image-chat request's time goes on its way to the first text, stage by stage,
 on the wall clock and on the CPU of the thread that ran the stage: the server runs in
-this process (as in bench/multiturn_breakdown.py), wrappers mark each stage's start and
-end, and each conversation sends turn 1 (a new image) and turn 2 (the same image again,
-after the answer and a new question).
+this process (as in bench/multiturn_breakdown.py) and its client in another, wrappers
+mark each stage's start and end, and each conversation sends turn 1 (a new image) and
+turn 2 (the same image again, after the answer and a new question).
 
     python bench/turn_timeline.py --model DIR [--image-size 896] [--conversations 6]
 
 Per request: the client's TTFT, the server's time from the body's arrival to the first
-text, and "stage wall/cpu" in ms for the stages on that path (a stage that runs more
+text (and the client's time on either side of it: from its request's start to the
+server's arrival, and from the first text to the client's first token), and "stage wall/cpu" in ms for the stages on that path (a stage that runs more
 than once adds up). A stage whose CPU time is near its wall time kept its thread busy:
 ``async_eval`` that does so is MLX launching the queued work on the host, not waiting
 for the device. With --detail, the last conversation's marks are listed in order. The
@@ -17,8 +18,10 @@ first conversation warms up and is not shown.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import inspect
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -109,6 +112,19 @@ def spans(marks: list, until: float) -> dict[str, tuple[float, float]]:
     return out
 
 
+def client_ttft(base_url: str, messages: list, max_tokens: int) -> tuple[float, str, int, list]:
+    """``ttft`` in the client's process, with its clock: ``perf_counter`` is the
+    system's monotonic clock on Linux, the same in both processes."""
+    global _CLIENT
+    if _CLIENT is None:
+        _CLIENT = httpx.Client(timeout=600)
+    clock = []
+    return (*ttft(_CLIENT, base_url, messages, max_tokens, clock), clock)
+
+
+_CLIENT: httpx.Client | None = None  # the client process's connection
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -121,15 +137,19 @@ def main() -> None:
     instrument()
     config = ServerConfig(model=args.model, port=free_port(), log_level="warning", access_log=False)
     server = Server(config)
+    # The client runs in a process of its own: in this one, its sending of a
+    # multi-megabyte body would hold the interpreter lock against the server's threads.
+    client = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        with httpx.Client(timeout=600) as client:
+        with client:
             for c in range(args.conversations):
                 messages = [{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": image_url(args.image_size, 100 + c)}},
                     {"type": "text", "text": "Describe this picture in detail."}]}]
                 for turn in (1, 2):
                     MARKS.clear()
-                    seconds, answer, cached = ttft(client, server.base_url + "/v1", messages, args.max_tokens)
+                    seconds, answer, cached, (sent, first) = client.submit(
+                        client_ttft, server.base_url + "/v1", messages, args.max_tokens).result()
                     messages += [{"role": "assistant", "content": answer},
                                  {"role": "user", "content": f"Tell me more, part {turn + 1}."}]
                     if not c:
@@ -138,7 +158,8 @@ def main() -> None:
                     text = next((w for w, label, _ in MARKS if label == "text"), start)
                     parts = spans(MARKS, text)
                     print(f"conversation {c} turn {turn}: ttft {1000 * seconds:.1f}, server "
-                          f"{1000 * (text - start):.1f}, cached {cached} | "
+                          f"{1000 * (text - start):.1f} (sent to arrival {1000 * (start - sent):.1f}, text "
+                          f"to client {1000 * (first - text):.1f}), cached {cached} | "
                           + ", ".join(f"{k} {parts[k][0]:.1f}/{parts[k][1]:.1f}" for k in SUMMARY if k in parts))
                     if args.detail and c == args.conversations - 1:
                         for wall, label, cpu in MARKS:
