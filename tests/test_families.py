@@ -481,3 +481,31 @@ def test_warm_up_runs_each_padded_pass_length_where_passes_are_padded(caplog, mo
         _serves_a_chat(engine)
     finally:
         engine.shutdown()
+
+
+def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built():
+    """A row that joins an idle batch has its first token handed to the event loop
+    before the batch's next step is built and launched (host work of several ms on a
+    GPU that would otherwise sit in every such request's time to first token)."""
+    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2))
+    engine.start()
+    order = []
+    scheduler = engine.scheduler
+    publish, launch = scheduler.publish, scheduler._launch
+
+    def published(events):
+        order.extend(("token", e.request_id) for e in events if e.token_ids)
+        publish(events)
+
+    def launched():
+        order.append(("launch", [s.id for s in scheduler.running]))
+        return launch()
+
+    scheduler.publish, scheduler._launch = published, launched
+    try:
+        _serves_a_chat(engine)
+    finally:
+        engine.shutdown()
+    first = order.index(("token", "after"))
+    launches = [i for i, (kind, _) in enumerate(order) if kind == "launch"]
+    assert launches and first < launches[0], order

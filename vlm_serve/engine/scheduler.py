@@ -618,6 +618,7 @@ class Scheduler:
                 for step in joining:
                     self._process(step)
                 joining = []
+                self._flush()  # to the event loop now, not at the turn's end after the launch
             launched = self._launch() if self.running else None
             previous, self._inflight = self._inflight, launched
             for step in joining:  # first tokens of rows that just joined
