@@ -90,8 +90,7 @@ class Batch:
 
     def keep(self, indices: list[int]) -> list[int]:
         """Keep the rows at ``indices``; everything else leaves the batch now. Returns
-        the rows' new order (new row j is old row ``order[j]``): the slot store moves a
-        row into the slot of one that left rather than shifting the rest."""
+        the rows' new order (new row j is old row ``order[j]``)."""
         if len(indices) == len(self):
             return list(range(len(self)))
         if not indices:
@@ -142,10 +141,14 @@ class Batch:
         """Last-position logits (rows, vocab) of one decode step."""
         if self.store is not None:
             rows, slots = len(self), self.store.slots
-            tokens = self.next_tokens
-            if slots > rows:  # the empty slots of the store's bucket decode a dummy token
+            tokens, where = self.next_tokens, self.store.slot_order()
+            if where is not None:  # rows in other slots: each token to its row's slot
+                tokens = mx.zeros((slots,), mx.int32).at[where].add(tokens)
+            elif slots > rows:  # the free slots of the store's bucket decode a dummy token
                 tokens = mx.concatenate([tokens, mx.zeros((slots - rows,), mx.int32)])
             logits = self.decoder(tokens, self.store)
+            if where is not None:
+                return mx.take(logits, where, axis=0)
             return logits[:rows] if slots > rows else logits
         kwargs = self.family.decode_kwargs(self.cache, self.row_states)
         out = self.model.language_model(self.next_tokens[:, None], cache=self.cache, **kwargs)

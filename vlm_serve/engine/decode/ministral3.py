@@ -46,8 +46,7 @@ class Ministral3Decoder(LlamaDecoder):
         levels = np.floor(positions / np.float32(self.period)).astype(int).tolist()
         while max(levels) >= len(self.level_scales):
             self._add_levels()
-        scales = [self.level_scales[level] for level in levels]
-        scales += [1.0] * (store.slots - store.rows)  # empty slots: never read
+        scales = store.per_slot([self.level_scales[level] for level in levels], 1.0)  # free: never read
         return (mx.array(scales, mx.float32),)
 
     def _add_levels(self, count: int = 16) -> None:

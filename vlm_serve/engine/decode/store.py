@@ -9,17 +9,20 @@ so attention sums its keys in the order it would alone; on the CPU a row batched
 gives that row's logits alone to the bit). Rows never share columns and are never
 padded against each other, so:
 
-- rows join by copying their prefill caches into free slots, one update per layer;
-- rows that leave take the last live rows into their slots, one gather per layer
-  (MLX cannot update a layer in place from its own rows: each layer is copied once),
-  so live rows are always slots [0, rows);
+- rows join by copying their prefill caches into free slots, one update per layer
+  for each run of neighbouring free slots;
+- a row that leaves frees its slot and nothing moves: moving live rows into the freed
+  slots copied every layer whole (a gather; MLX cannot update a layer in place from
+  its own rows), tens of ms on a GPU at 128 rows for each row that left. The live
+  rows are compacted only where the store shrinks (``_fit``), which reallocates anyway;
 - a decode step writes every row's new key with one scatter per layer (``step.py``),
   and every layer of a kind shares one mask and one index array, built once per step
   from positions the host already knows (nothing is read back).
 
 The number of slots follows the number of rows in coarse buckets, so steps keep the
-same shapes while rows come and go; the empty slots of a bucket compute on garbage that
-nothing reads.
+same shapes while rows come and go; the free slots compute on garbage that nothing
+reads. Row i of the batch is in slot ``slot_of[i]``; a step's tokens and logits are
+in slot order (``slot_order``).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class SlotStore:
         self.keys: list[mx.array] | None = None
         self.values: list[mx.array] | None = None
         self.lengths: list[int] = []  # tokens each live row holds (its next position)
+        self.slot_of: list[int] = []  # the slot of each live row
         # Per row, how far its rotary position runs from its length (Qwen-VL's mRoPE
         # delta after an image); all zero for most families.
         self.shifts: list[int] = []
@@ -135,14 +139,17 @@ class SlotStore:
     def _resize(self, slots: int, needed_columns: int, dtype, shrink: bool = False) -> None:
         """Reallocate to ``slots`` slots holding at least ``needed_columns`` positions,
         keeping the live rows (layers already that size are left alone). Columns only
-        grow unless ``shrink``."""
+        grow unless ``shrink``; with ``shrink`` the live rows are compacted into slots
+        [0, rows)."""
+        compact = shrink and self.slot_of != list(range(self.rows))
+        where = mx.array(self.slot_of, mx.int32) if compact else None
         keys, values = [], []
         for i, kind in enumerate(self.layer_kinds):
             columns = self._columns(kind, needed_columns)
             old = self.keys[i] if self.keys is not None else None
             if old is not None:
                 columns = columns if shrink else max(columns, old.shape[2])
-                if old.shape[0] == slots and old.shape[2] == columns:
+                if old.shape[0] == slots and old.shape[2] == columns and not compact:
                     keys.append(old)
                     values.append(self.values[i])
                     continue
@@ -150,12 +157,20 @@ class SlotStore:
             shape = (slots, kv_heads, columns, head_dim)
             k, v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
             if old is not None and self.rows:
-                n, c = self.rows, min(columns, old.shape[2])
-                k[:n, :, :c] = old[:n, :, :c]
-                v[:n, :, :c] = self.values[i][:n, :, :c]
+                c = min(columns, old.shape[2])
+                if compact:
+                    n = self.rows
+                    k[:n, :, :c] = mx.take(old[:, :, :c], where, axis=0)
+                    v[:n, :, :c] = mx.take(self.values[i][:, :, :c], where, axis=0)
+                else:  # every slot keeps its place (the free ones hold garbage anyway)
+                    n = min(slots, old.shape[0], max(self.slot_of) + 1)
+                    k[:n, :, :c] = old[:n, :, :c]
+                    v[:n, :, :c] = self.values[i][:n, :, :c]
             keys.append(k)
             values.append(v)
         self.keys, self.values = keys, values
+        if compact:
+            self.slot_of = list(range(self.rows))
 
     # -- rows joining and leaving ------------------------------------------------------
 
@@ -174,17 +189,20 @@ class SlotStore:
              for kind, cache in zip(self.layer_kinds, caches) if kind.window}
             for caches in row_caches
         ]
-        first = self.rows
+        free = self._free_slots()[:len(row_caches)]
+        runs = _runs(free)
         for i, kind in enumerate(self.layer_kinds):
             joining = [_in_store_order(caches[i], kind.window, turn.get(kind.window, 0))
                        for caches, turn in zip(row_caches, rotations)]
-            # One update per layer for all joining rows (one per row copied the layer
-            # whole for each, as in ``_move_rows``); shorter rows are padded with zeros
+            # One update per layer for each run of neighbouring free slots (one per row
+            # copied the layer whole for each); shorter rows are padded with zeros
             # their counts never reach.
             width = max(k.shape[2] for k, _ in joining)
             for store, part in ((self.keys, 0), (self.values, 1)):
                 block = mx.concatenate([_pad_columns(row[part], width) for row in joining], axis=0)
-                store[i][first:first + len(joining), :, :width] = block
+                for first, count, at in runs:
+                    store[i][first:first + count, :, :width] = block[at:at + count]
+        self.slot_of += free
         self.lengths += lengths
         self.rotations += rotations
         self.shifts += shifts or [0] * len(row_caches)
@@ -193,9 +211,9 @@ class SlotStore:
         """Fill fresh single-request caches (one per layer, as ``join`` takes them) with
         what live row ``row`` holds now: the inverse of ``join``, as copies, so the row
         can go on being prefilled later (a chat's next turn) while its slot moves on."""
-        length = self.lengths[row]
+        length, slot = self.lengths[row], self.slot_of[row]
         for i, (kind, cache) in enumerate(zip(self.layer_kinds, caches)):
-            keys, values = self.keys[i][row:row + 1], self.values[i][row:row + 1]
+            keys, values = self.keys[i][slot:slot + 1], self.values[i][slot:slot + 1]
             if kind.window is None:
                 keys, values = keys[:, :, :length], values[:, :, :length]
             else:
@@ -215,35 +233,34 @@ class SlotStore:
         return capacity
 
     def keep(self, indices: list[int]) -> list[int]:
-        """Keep the live rows at ``indices``. Each row that leaves takes the last live
-        row into its slot. Returns the new order: new row j is old row order[j]."""
-        kept = set(indices)
-        order = list(range(self.rows))
-        for gone in sorted(set(order) - kept, reverse=True):
-            last = len(order) - 1
-            if gone != last:
-                order[gone] = order[last]
-            order.pop()
-        if not order:
+        """Keep the live rows at ``indices`` (ascending), in their slots; the others'
+        slots are free. Returns the new order: new row j is old row order[j]."""
+        if not indices:
             self.reset()
-            return order
-        if any(old != new for new, old in enumerate(order)):
-            self._move_rows(order)
-        for name in ("lengths", "shifts", "rotations"):
+            return []
+        for name in ("lengths", "shifts", "rotations", "slot_of"):
             values = getattr(self, name)
-            setattr(self, name, [values[i] for i in order])
-        self._fit(len(order))
-        return order
+            setattr(self, name, [values[i] for i in indices])
+        self._fit(len(indices))
+        return list(indices)
 
-    def _move_rows(self, order: list[int]) -> None:
-        """Slot j takes old slot order[j], in one gather per layer. Assigning rows one
-        at a time copied each layer whole for every moved row (an update of an array
-        that its own slice reads cannot be made in place), all queued at once: on an
-        H100, 128 chats ending together held 75 GiB and failed the next step."""
-        slots = order + [0] * (self.slots - len(order))  # free slots hold garbage anyway
-        where = mx.array(slots, mx.int32)
-        self.keys = [mx.take(layer, where, axis=0) for layer in self.keys]
-        self.values = [mx.take(layer, where, axis=0) for layer in self.values]
+    def _free_slots(self) -> list[int]:
+        taken = set(self.slot_of)
+        return [slot for slot in range(self.slots) if slot not in taken]
+
+    def slot_order(self) -> mx.array | None:
+        """The slot of each row as an index array, or None where row i is in slot i
+        (then a step's first ``rows`` slots are the rows, in order)."""
+        if self.slot_of == list(range(self.rows)):
+            return None
+        return mx.array(self.slot_of, mx.int32)
+
+    def per_slot(self, row_values: list, fill) -> list:
+        """``row_values`` (one per row) placed at their rows' slots, ``fill`` at free ones."""
+        out = [fill] * self.slots
+        for slot, value in zip(self.slot_of, row_values):
+            out[slot] = value
+        return out
 
     def _fit(self, rows: int) -> None:
         """Give memory back once the rows that needed it have left: half the slots or
@@ -261,6 +278,7 @@ class SlotStore:
     def reset(self) -> None:
         self.keys = self.values = None
         self.lengths = []
+        self.slot_of = []
         self.shifts = []
         self.rotations = []
 
@@ -273,20 +291,19 @@ class SlotStore:
         longest = max(self.lengths) + 1
         if longest > self._capacity():
             self._resize(self.slots, longest, self.keys[0].dtype)
-        padding = [0] * (self.slots - self.rows)
-        positions = mx.array(self.lengths + padding, mx.int32)
+        positions = mx.array(self.per_slot(self.lengths, 0), mx.int32)
         if counts:
             # Every kind's count is the row's own keys, its new one included: a window's
             # ring never holds more than the window, which is its layers' column count.
-            visible = mx.array([n + 1 for n in self.lengths] + [1] * len(padding), mx.int32)
+            visible = mx.array(self.per_slot([n + 1 for n in self.lengths], 1), mx.int32)
         layouts = {}
         for window in self.kinds:
             if window:
-                columns = [(p - r[window]) % window
-                           for p, r in zip(self.lengths, self.rotations)] + padding
+                columns = self.per_slot(
+                    [(p - r[window]) % window for p, r in zip(self.lengths, self.rotations)], 0)
                 span = min(window, attention_span(longest))
             else:
-                columns = self.lengths + padding
+                columns = self.per_slot(self.lengths, 0)
                 span = attention_span(longest)
             column = mx.array(columns, mx.int32)
             kv_heads, head_dim = self.kind_dims[window]
@@ -305,11 +322,22 @@ class SlotStore:
         """This step's rotary positions: ``positions`` plus each row's shift."""
         if not any(self.shifts):
             return positions
-        padding = [0] * (self.slots - self.rows)
-        return mx.array([n + s for n, s in zip(self.lengths, self.shifts)] + padding, mx.int32)
+        return mx.array(self.per_slot([n + s for n, s in zip(self.lengths, self.shifts)], 0), mx.int32)
 
     def advance(self) -> None:
         self.lengths = [n + 1 for n in self.lengths]
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Ascending ``slots`` as runs of neighbours: (first slot, count, index in ``slots``)."""
+    runs = []
+    for at, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            first, count, start = runs[-1]
+            runs[-1] = (first, count + 1, start)
+        else:
+            runs.append((slot, 1, at))
+    return runs
 
 
 def _pad_columns(x: mx.array, width: int) -> mx.array:
