@@ -424,11 +424,12 @@ def test_each_family_over_http_with_the_openai_client(arch, start_server):
         server.stop()
 
 
-def _serves_a_chat(engine) -> None:
+def _serves_a_chat(engine, grammar: str | None = None) -> None:
     ctx = PromptContext(engine.loaded.processor, engine.loaded.model_type, MediaPolicy(), 1,
                         engine.loaded.chat_template)
     prompt = render_chat(ctx, [{"role": "user", "content": "Hi!"}])
-    prepared = prepare_prompt(ctx, "after", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, grammar=grammar)
+    prepared = prepare_prompt(ctx, "after", prompt, sampling)
     assert run_jobs(engine, [(prepared, None, None)])["after"]["error"] is None
 
 
@@ -483,10 +484,14 @@ def test_warm_up_runs_each_padded_pass_length_where_passes_are_padded(caplog, mo
         engine.shutdown()
 
 
-def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built():
+@pytest.mark.parametrize("grammar", [False, True], ids=["free", "json"])
+def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built(grammar):
     """A row that joins an idle batch has its first token handed to the event loop
     before the batch's next step is built and launched (host work of several ms on a
-    GPU that would otherwise sit in every such request's time to first token)."""
+    GPU that would otherwise sit in every such request's time to first token); under a
+    grammar, whose tokens are all read back before the next step, too."""
+    from vlm_serve.engine.grammar import json_grammar
+
     engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2))
     engine.start()
     order = []
@@ -503,7 +508,7 @@ def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built():
 
     scheduler.publish, scheduler._launch = published, launched
     try:
-        _serves_a_chat(engine)
+        _serves_a_chat(engine, json_grammar({"type": "json_object"}) if grammar else None)
     finally:
         engine.shutdown()
     first = order.index(("token", "after"))

@@ -607,6 +607,7 @@ class Scheduler:
                 for step in (*joining, previous):
                     if step is not None:
                         self._process(step)
+                self._flush()  # these tokens need not wait for the next step's launch
                 self._inflight = self._launch() if self.running else None
                 return
             joined = {id(s) for step in joining for s in step.states}
