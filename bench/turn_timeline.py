@@ -9,9 +9,9 @@ turn 2 (the same image again, after the answer and a new question).
 Per request: the client's TTFT, the server's time from the body's arrival to the first
 text (and the client's time on either side of it: from its request's start to the
 server's arrival, and from the first text to the client's first token), and "stage
-wall/cpu" in ms for the stages on that path (a stage that runs more than once adds up). A stage whose CPU time is near its wall time kept its thread busy:
-``async_eval`` that does so is MLX launching the queued work on the host, not waiting
-for the device. With --detail, the last conversation's marks are listed in order. The
+wall/cpu" in ms for the stages on that path (a stage that runs more than once adds up).
+A stage whose CPU time is near its wall time kept its thread busy: ``async_eval`` that
+does so is MLX launching the queued work on the host, not waiting for the device. With --detail, the last conversation's marks are listed in order. The
 first conversation warms up and is not shown.
 """
 
