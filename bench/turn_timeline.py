@@ -11,8 +11,9 @@ text (and the client's time on either side of it: from its request's start to th
 server's arrival, and from the first text to the client's first token), and "stage
 wall/cpu" in ms for the stages on that path (a stage that runs more than once adds up).
 A stage whose CPU time is near its wall time kept its thread busy: ``async_eval`` that
-does so is MLX launching the queued work on the host, not waiting for the device. With --detail, the last conversation's marks are listed in order. The
-first conversation warms up and is not shown.
+does so is MLX launching the queued work on the host, not waiting for the device. With
+--detail, the last conversation's marks are listed in order. The first conversation
+warms up and is not shown.
 """
 
 from __future__ import annotations
