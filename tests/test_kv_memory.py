@@ -401,7 +401,7 @@ def test_rows_join_with_one_update_per_layer_and_leave_without_moving():
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     kept = list(range(0, n_rows, 2))
-    assert store.keep(kept) == kept  # 16 leave; the rest keep their order and slots
+    store.keep(kept)  # 16 leave; the rest keep their order and slots
     mx.eval(store.keys, store.values)
     assert mx.get_peak_memory() - before <= 0.05 * store.nbytes
     assert store.slot_of == kept and store.slots == n_rows

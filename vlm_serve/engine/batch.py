@@ -88,24 +88,23 @@ class Batch:
     def _merged(rows: list[JoiningRow]) -> list:
         return [type(layer[0]).merge(list(layer)) for layer in zip(*(row.cache for row in rows))]
 
-    def keep(self, indices: list[int]) -> list[int]:
-        """Keep the rows at ``indices``; everything else leaves the batch now. Returns
-        the rows' new order (new row j is old row ``order[j]``)."""
+    def keep(self, indices: list[int]) -> None:
+        """Keep the rows at ``indices`` (ascending), in their order; everything else
+        leaves the batch now."""
         if len(indices) == len(self):
-            return list(range(len(self)))
+            return
         if not indices:
             self.reset()
-            return []
-        if self.store is not None:
-            indices = self.store.keep(indices)
+            return
         idx = mx.array(indices, mx.int32)
-        if self.store is None:
+        if self.store is not None:
+            self.store.keep(indices)
+        else:
             for c in self.cache:
                 c.filter(idx)
         self.sampler.keep(indices)
         self.row_states = [self.row_states[i] for i in indices]
         self.next_tokens = self.next_tokens[idx]
-        return indices
 
     def row_cache(self, index: int) -> list | None:
         """Row ``index``'s KV now (its prompt and the tokens it has decoded), as the

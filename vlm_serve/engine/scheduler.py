@@ -665,8 +665,8 @@ class Scheduler:
     def _drop(self, states: list[RequestState]) -> None:
         gone = {id(s) for s in states}
         keep = [i for i, s in enumerate(self.running) if id(s) not in gone]
-        order = self.batch.keep(keep)  # the batch may reorder its rows
-        self.running = [self.running[i] for i in order]
+        self.batch.keep(keep)
+        self.running = [self.running[i] for i in keep]
 
     def _keep_answers(self, states: list[RequestState]) -> None:
         """Offer the KV of rows that finished (their prompt and the answer so far) to

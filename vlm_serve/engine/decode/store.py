@@ -232,17 +232,16 @@ class SlotStore:
                 capacity = min(capacity, keys.shape[2])
         return capacity
 
-    def keep(self, indices: list[int]) -> list[int]:
-        """Keep the live rows at ``indices`` (ascending), in their slots; the others'
-        slots are free. Returns the new order: new row j is old row order[j]."""
+    def keep(self, indices: list[int]) -> None:
+        """Keep the live rows at ``indices`` (ascending), in their order and their
+        slots; the others' slots are free."""
         if not indices:
             self.reset()
-            return []
+            return
         for name in ("lengths", "shifts", "rotations", "slot_of"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in indices])
         self._fit(len(indices))
-        return list(indices)
 
     def _free_slots(self) -> list[int]:
         taken = set(self.slot_of)
