@@ -3,7 +3,9 @@ engine decoder (fused weights, output layer on the last position only), on fresh
 caches: milliseconds per pass, passes queued back to back as the scheduler queues
 them, and whether the two give the same logits bit for bit.
 
-    python bench/prefill_pass.py --model DIR [--lengths 64,270,2048] [--reps 20]
+    python bench/prefill_pass.py --model DIR [--lengths 64,270,2048] [--rows 1] [--reps 20]
+
+``--rows B`` stacks B prompts of each length in one pass, as a burst's shared passes do.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--lengths", default="64,270,2048")
+    parser.add_argument("--rows", type=int, default=1, help="prompts per pass")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -42,8 +45,8 @@ def main() -> None:
     vocab = lm.model.embed_tokens.weight.shape[0]  # ids past it would read outside the table
     results = []
     for length in map(int, args.lengths.split(",")):
-        ids = mx.random.randint(10, min(1000, vocab), (1, length), key=mx.random.key(length))
-        row = {"tokens": length}
+        ids = mx.random.randint(10, min(1000, vocab), (args.rows, length), key=mx.random.key(length))
+        row = {"rows": args.rows, "tokens": length}
         logits = {}
         for name, path in paths.items():
             def one():
@@ -58,7 +61,9 @@ def main() -> None:
                 outs.append(one())
                 mx.async_eval(outs[-1])
             mx.eval(outs)
-            row[f"{name} ms"] = round(1000 * (time.perf_counter() - start) / args.reps, 2)
+            ms = 1000 * (time.perf_counter() - start) / args.reps
+            row[f"{name} ms"] = round(ms, 2)
+            row[f"{name} tok/s"] = round(args.rows * length / ms * 1000)
         row["bit-equal"] = bool(mx.array_equal(logits["model code"], logits["engine"]).item())
         print(json.dumps(row), flush=True)
         results.append(row)

@@ -5,6 +5,10 @@ bracketed with the CUDA profiler's start and stop, so only they are profiled.
     ncu --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \\
         --csv python bench/step_kernels.py --model DIR --batch 128 > kernels.csv
     python bench/step_kernels.py --summarize kernels.csv
+
+``--prefill-length L`` profiles two prefill passes instead: ``--batch`` prompts of L
+tokens each in one pass on fresh caches, through the family's engine decoder as the
+scheduler runs a burst's shared pass.
 """
 
 from __future__ import annotations
@@ -38,6 +42,31 @@ def profile(model_dir: str, rows: int, context: int) -> None:
     cuda.cuProfilerStop()
 
 
+def profile_prefill(model_dir: str, rows: int, length: int) -> None:
+    import mlx.core as mx
+    from mlx_vlm import load
+
+    from vlm_serve.engine.families import family_for
+    from vlm_serve.engine.prefill import prefill_pass
+
+    model, _ = load(model_dir)
+    lm = model.language_model
+    family = family_for(model)
+    ids = mx.random.randint(10, 1000, (rows, length), key=mx.random.key(0))
+
+    def one():
+        return prefill_pass(model, family, ids, lm.model.embed_tokens(ids), lm.make_cache(), {})[0]
+
+    for _ in range(3):
+        mx.eval(one())
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    for _ in range(2):
+        mx.eval(one())
+    mx.synchronize()
+    cuda.cuProfilerStop()
+
+
 def summarize(path: str, top: int = 25) -> None:
     """Total time per kernel name from ncu's per-kernel summary (CSV), largest first."""
     rows = list(csv.reader(open(path)))
@@ -59,10 +88,13 @@ def main() -> None:
     p.add_argument("--model")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--context", type=int, default=320)
+    p.add_argument("--prefill-length", type=int, help="profile prefill passes of this length")
     p.add_argument("--summarize", metavar="CSV")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize)
+    elif args.prefill_length:
+        profile_prefill(args.model, args.batch, args.prefill_length)
     else:
         profile(args.model, args.batch, args.context)
 
