@@ -295,6 +295,54 @@ def test_prefix_cache_evicts_the_least_recently_used_entry():
     assert len(prefixes) == 1 and prefixes.lookup([1, 2, 3, 0])[1] == 3 and prefixes.evictions == 2
 
 
+def test_a_prompts_prefill_need_is_worked_out_once_per_length():
+    """The scheduler sums every admitted request's prefill need whenever it measures
+    its room (twice per finished prefill in a burst); the need depends only on the
+    prompt's length and whether it has media, so the layout's per-layer arithmetic runs
+    once per such pair, and gives what it gave before it was remembered."""
+    from vlm_serve.engine.memory import KVBudget, KVLayout, LayerKV
+
+    layout = KVLayout((LayerKV(64.0, None, 256), LayerKV(64.0, 32, 256)))
+    budget = KVBudget(layout, 1 << 30, chunk=16, text_chunks=True, short_copies=True)
+    calls = []
+    real = KVLayout.prefill_bytes
+
+    def counted(self, length, chunk):
+        calls.append((length, chunk))
+        return real(self, length, chunk)
+
+    KVLayout.prefill_bytes = counted
+    try:
+        text, image = sized(40, 8), sized(40, 8)
+        image.num_images = 1
+        for _ in range(3):
+            assert budget.prefill_need(text) == 2 * real(layout, 40, 16)  # chunked, + short copy
+            assert budget.prefill_need(image) == 2 * real(layout, 40, 40)  # whole prompt
+            assert budget.prefill_need(sized(10, 8)) == real(layout, 10, 16)  # under the window
+    finally:
+        KVLayout.prefill_bytes = real
+    assert sorted(calls) == [(10, 16), (40, 16), (40, 40)]
+
+
+def test_a_stored_prefix_measures_the_room_once():
+    """Storing a prefix asks the scheduler for its room (the admitted requests' demand)
+    once, for both the check that the entry fits and the eviction after it."""
+    from mlx_lm.models.cache import KVCache
+
+    from vlm_serve.engine.prefix_cache import PrefixCache
+
+    asked = []
+
+    def room() -> int:
+        asked.append(1)
+        return 1 << 30
+
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+    PrefixCache(4, 1 << 30, room).store([1, 2, 3], [c])
+    assert len(asked) == 1
+
+
 def test_prefix_cache_picks_the_entry_mlx_lm_would_pick():
     """The lookup reuses as many tokens as mlx-lm's own ``fetch_nearest_cache`` on the
     same entries (the same prompt, a longer one trimmed back, or the longest stored

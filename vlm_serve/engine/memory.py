@@ -272,6 +272,10 @@ class KVBudget:
         # A prompt that fills a sliding window keeps a copy of its cache one token short
         # for the prefix cache (see Prefill): two caches for a moment.
         self.short_copy_from = layout.smallest_window if short_copies else None
+        # prefill_need by prompt length and media: the scheduler sums it over every
+        # admitted request whenever it measures its room, and the layout's arithmetic
+        # walks every layer (a burst's joins would cost O(requests x layers) each).
+        self._prefill_needs: dict[tuple[int, bool], int] = {}
 
     def add(self, demand: Demand, request, rows: int = 1, prefilling: bool = True) -> None:
         """Count ``rows`` copies of ``request`` into ``demand`` (one shared prefill)."""
@@ -281,10 +285,17 @@ class KVBudget:
             demand.prefill += self.prefill_need(request)
 
     def prefill_need(self, request) -> int:
-        p = request.num_prompt_tokens
-        chunk = self.chunk if self.text_chunks and not request.has_media else p
-        copies = 2 if self.short_copy_from is not None and p >= self.short_copy_from else 1
-        return self.layout.prefill_bytes(p, chunk) * copies
+        key = (request.num_prompt_tokens, bool(request.has_media))
+        need = self._prefill_needs.get(key)
+        if need is None:
+            p, media = key
+            chunk = self.chunk if self.text_chunks and not media else p
+            copies = 2 if self.short_copy_from is not None and p >= self.short_copy_from else 1
+            need = self.layout.prefill_bytes(p, chunk) * copies
+            if len(self._prefill_needs) >= 4096:  # bounded: one entry per prompt length
+                self._prefill_needs.clear()
+            self._prefill_needs[key] = need
+        return need
 
     def bytes(self, demand: Demand, held: Held = Held()) -> int:
         if not demand.rows:  # an empty batch lets go of everything

@@ -107,14 +107,16 @@ class PrefixCache:
         afterwards (rows join the batch by copy, so a finished prefill's cache is free).
         An entry larger than the room the budget leaves is not kept; older entries are
         evicted to make room for one that fits."""
-        if not self.fits(cache_bytes(cache)):
+        room = self._room()  # measures the admitted requests' demand: once
+        if not self.fits(cache_bytes(cache), room):
             return
         self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
-        self.evict_to(self._room())
+        self.evict_to(room)
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether an entry of ``nbytes`` would be kept (see ``store``)."""
-        return self.max_entries > 0 and nbytes <= self._room()
+    def fits(self, nbytes: int, room: int | None = None) -> bool:
+        """Whether an entry of ``nbytes`` would be kept (see ``store``), ``room`` being
+        what cached prefixes may hold now (measured where not given)."""
+        return self.max_entries > 0 and nbytes <= (self._room() if room is None else room)
 
     def _room(self) -> int:
         return min(self.max_bytes, self.room() if self.room else _UNBOUNDED)
