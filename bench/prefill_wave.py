@@ -11,6 +11,10 @@ stage, so each stage carries its own device time (slower overall, but attributab
 without it a stage's device work shows up wherever the worker next waits.
 
     python bench/prefill_wave.py --model DIR --requests 64 --prompt-words 256 [--sync]
+
+``--time-evals`` also times every ``mx.async_eval`` of the measured wave by its call
+site (file:line): how long the worker spends handing each kind of graph to MLX, which
+on a GPU includes any wait MLX makes before it returns.
 """
 
 from __future__ import annotations
@@ -76,6 +80,34 @@ def instrument(totals: dict, counts: dict, sync: bool) -> None:
         setattr(klass, method, timed)
 
 
+def time_evals(times: dict) -> None:
+    """Wrap ``mx.async_eval`` so each call's time is added to ``times[call site]``."""
+    import sys
+
+    real = mx.async_eval
+
+    def timed(*a, **k):
+        caller = sys._getframe(1)
+        t = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            site = f"{caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}"
+            times[site].append(time.perf_counter() - t)
+
+    mx.async_eval = timed
+
+
+def eval_summary(times: dict) -> dict:
+    out = {}
+    for site, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        ts = sorted(ts)
+        out[site] = {"calls": len(ts), "total_ms": round(1000 * sum(ts), 1),
+                     "p50_ms": round(1000 * ts[len(ts) // 2], 2),
+                     "largest_ms": [round(1000 * t, 1) for t in ts[-8:]]}
+    return out
+
+
 def prompts(n: int, words: int, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
     out = []
@@ -93,6 +125,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--sync", action="store_true", help="wait for the device after each stage")
+    p.add_argument("--time-evals", action="store_true", help="time each mx.async_eval by call site")
     p.add_argument("--result-json")
     args = p.parse_args()
 
@@ -128,6 +161,9 @@ def main() -> None:
 
     asyncio.run(wave(prepared(prompts(8, args.prompt_words, 1), "w")))  # warm-up
     instrument(totals, counts, args.sync)
+    evals: dict = defaultdict(list)
+    if args.time_evals:
+        time_evals(evals)
     batch = prepared(prompts(args.requests, args.prompt_words, 0), "r")
     results, wall = asyncio.run(wave(batch))
     engine.shutdown()
@@ -147,6 +183,8 @@ def main() -> None:
         "calls": dict(counts),
         "ms_per_call": {k: round(1000 * totals[k] / counts[k], 2) for k in counts},
     }
+    if args.time_evals:
+        result["async_eval_by_site"] = eval_summary(evals)
     print(json.dumps(result, indent=2))
     if args.result_json:
         with open(args.result_json, "w") as f:
