@@ -295,7 +295,7 @@ def test_prefix_cache_evicts_the_least_recently_used_entry():
     assert len(prefixes) == 1 and prefixes.lookup([1, 2, 3, 0])[1] == 3 and prefixes.evictions == 2
 
 
-def test_a_prompts_prefill_need_is_worked_out_once_per_length():
+def test_a_prompts_prefill_need_is_worked_out_once_per_length(monkeypatch):
     """The scheduler sums every admitted request's prefill need whenever it measures
     its room (twice per finished prefill in a burst); the need depends only on the
     prompt's length and whether it has media, so the layout's per-layer arithmetic runs
@@ -311,16 +311,13 @@ def test_a_prompts_prefill_need_is_worked_out_once_per_length():
         calls.append((length, chunk))
         return real(self, length, chunk)
 
-    KVLayout.prefill_bytes = counted
-    try:
-        text, image = sized(40, 8), sized(40, 8)
-        image.num_images = 1
-        for _ in range(3):
-            assert budget.prefill_need(text) == 2 * real(layout, 40, 16)  # chunked, + short copy
-            assert budget.prefill_need(image) == 2 * real(layout, 40, 40)  # whole prompt
-            assert budget.prefill_need(sized(10, 8)) == real(layout, 10, 16)  # under the window
-    finally:
-        KVLayout.prefill_bytes = real
+    monkeypatch.setattr(KVLayout, "prefill_bytes", counted)
+    text, image = sized(40, 8), sized(40, 8)
+    image.num_images = 1
+    for _ in range(3):
+        assert budget.prefill_need(text) == 2 * real(layout, 40, 16)  # chunked, + short copy
+        assert budget.prefill_need(image) == 2 * real(layout, 40, 40)  # whole prompt
+        assert budget.prefill_need(sized(10, 8)) == real(layout, 10, 16)  # under the window
     assert sorted(calls) == [(10, 16), (40, 16), (40, 40)]
 
 
