@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from collections import defaultdict
 
@@ -82,8 +83,6 @@ def instrument(totals: dict, counts: dict, sync: bool) -> None:
 
 def time_evals(times: dict) -> None:
     """Wrap ``mx.async_eval`` so each call's time is added to ``times[call site]``."""
-    import sys
-
     real = mx.async_eval
 
     def timed(*a, **k):
