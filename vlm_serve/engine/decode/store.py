@@ -141,8 +141,8 @@ class SlotStore:
         keeping the live rows (layers already that size are left alone). Columns only
         grow unless ``shrink``; with ``shrink`` the live rows are compacted into slots
         [0, rows)."""
-        compact = shrink and self.slot_of != list(range(self.rows))
-        where = mx.array(self.slot_of, mx.int32) if compact else None
+        where = self.slot_order() if shrink else None  # None: rows already in [0, rows)
+        compact = where is not None
         keys, values = [], []
         for i, kind in enumerate(self.layer_kinds):
             columns = self._columns(kind, needed_columns)
@@ -298,13 +298,12 @@ class SlotStore:
         layouts = {}
         for window in self.kinds:
             if window:
-                columns = self.per_slot(
-                    [(p - r[window]) % window for p, r in zip(self.lengths, self.rotations)], 0)
+                column = mx.array(self.per_slot(
+                    [(p - r[window]) % window for p, r in zip(self.lengths, self.rotations)], 0), mx.int32)
                 span = min(window, attention_span(longest))
-            else:
-                columns = self.per_slot(self.lengths, 0)
+            else:  # a full-attention row writes at its position
+                column = positions
                 span = attention_span(longest)
-            column = mx.array(columns, mx.int32)
             kv_heads, head_dim = self.kind_dims[window]
             write_index = mx.broadcast_to(
                 column[:, None, None, None], (self.slots, kv_heads, 1, head_dim)
