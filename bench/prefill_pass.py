@@ -6,12 +6,17 @@ them, and whether the two give the same logits bit for bit.
     python bench/prefill_pass.py --model DIR [--lengths 64,270,2048] [--rows 1] [--reps 20]
 
 ``--rows B`` stacks B prompts of each length in one pass, as a burst's shared passes do.
+``--phases`` also splits one engine pass (median of the reps), each started on an idle
+device: building its graph, ``mx.async_eval``'s wall and CPU time, and the wait for the
+device after it. An ``async_eval`` whose CPU time is near its wall time is MLX launching
+kernels on the host; one whose wall time far exceeds its CPU time waits for the device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import mlx.core as mx
@@ -28,12 +33,30 @@ class _ModelCode:
         return None
 
 
+def phases(one, reps: int) -> dict:
+    """Median milliseconds of one pass's phases, each pass started on an idle device."""
+    marks = []
+    for _ in range(reps):
+        mx.synchronize()
+        start = time.perf_counter()
+        out = one()
+        built = time.perf_counter()
+        cpu = time.thread_time()
+        mx.async_eval(out)
+        launched, cpu = time.perf_counter(), time.thread_time() - cpu
+        mx.eval(out)
+        marks.append((built - start, launched - built, cpu, time.perf_counter() - launched))
+    names = ("build ms", "async_eval ms", "async_eval cpu ms", "device after ms")
+    return {name: round(1000 * statistics.median(m[i] for m in marks), 2) for i, name in enumerate(names)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--lengths", default="64,270,2048")
     parser.add_argument("--rows", type=int, default=1, help="prompts per pass")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--phases", action="store_true", help="split one engine pass's host time")
     parser.add_argument("--out")
     args = parser.parse_args()
     model, _ = load(args.model)
@@ -65,6 +88,9 @@ def main() -> None:
             row[f"{name} ms"] = round(ms, 2)
             row[f"{name} tok/s"] = round(args.rows * length / ms * 1000)
         row["bit-equal"] = bool(mx.array_equal(logits["model code"], logits["engine"]).item())
+        if args.phases:
+            row.update(phases(lambda: prefill_pass(model, family, ids, lm.model.embed_tokens(ids),
+                                                   lm.make_cache(), {})[0], args.reps))
         print(json.dumps(row), flush=True)
         results.append(row)
     if args.out:

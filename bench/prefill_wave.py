@@ -82,26 +82,29 @@ def instrument(totals: dict, counts: dict, sync: bool) -> None:
 
 
 def time_evals(times: dict) -> None:
-    """Wrap ``mx.async_eval`` so each call's time is added to ``times[call site]``."""
+    """Wrap ``mx.async_eval`` so each call's wall and CPU time are added to
+    ``times[call site]``: CPU time near the wall is MLX launching kernels on the host,
+    wall time far past it is MLX waiting for the device before it returns."""
     real = mx.async_eval
 
     def timed(*a, **k):
         caller = sys._getframe(1)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         try:
             return real(*a, **k)
         finally:
             site = f"{caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}"
-            times[site].append(time.perf_counter() - t)
+            times[site].append((time.perf_counter() - t, time.thread_time() - cpu))
 
     mx.async_eval = timed
 
 
 def eval_summary(times: dict) -> dict:
     out = {}
-    for site, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        ts = sorted(ts)
+    for site, calls in sorted(times.items(), key=lambda kv: -sum(w for w, _ in kv[1])):
+        ts = sorted(w for w, _ in calls)
         out[site] = {"calls": len(ts), "total_ms": round(1000 * sum(ts), 1),
+                     "cpu_ms": round(1000 * sum(c for _, c in calls), 1),
                      "p50_ms": round(1000 * ts[len(ts) // 2], 2),
                      "largest_ms": [round(1000 * t, 1) for t in ts[-8:]]}
     return out

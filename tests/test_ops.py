@@ -126,6 +126,7 @@ def test_every_flag_from_the_environment_and_the_command_line_wins():
     ("VLM_SERVE_MAX_NUM_SEQS", "lots", "not a valid int"),
     ("VLM_SERVE_WARMUP", "maybe", "expected 1/0/true/false"),
     ("VLM_SERVE_TOOL_CALL_PARSER", "nope", "expected one of"),
+    ("VLM_SERVE_PREFILL_WAIT_STEPS", "-1", "0 or more"),
 ])
 def test_a_bad_environment_value_is_one_line_naming_the_variable(name, value, expected):
     out = run_cli(env={name: value})

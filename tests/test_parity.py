@@ -386,15 +386,15 @@ def run_burst(h: Harness, jobs, hook=None):
     return run_held(h.engine, h.prepare(Case("hold", "Hi!", max_tokens=3), "hold"), jobs, hook)
 
 
-def run_held(engine: Engine, holder, jobs, hook=None):
+def run_held(engine: Engine, holder, jobs, hook=None, pause: float = 0.3):
     """Run jobs that reach the worker in one turn: they are submitted once ``holder``
     (request id "hold", a few tokens) has its first token, while its decode steps hold
-    the worker a moment. ``hook``: a further fault hook."""
+    the worker ``pause`` seconds each. ``hook``: a further fault hook."""
     import time
 
     def hold(phase, states):
         if phase == "decode" and any(s.id == "hold" for s in states):
-            time.sleep(0.3)
+            time.sleep(pause)
         if hook is not None:
             hook(phase, states)
 
@@ -537,3 +537,44 @@ def test_prompts_of_different_lengths_share_a_padded_last_pass(burst):
         assert results[rid]["tokens"] == _oracle_from_ids(burst, ids[rid], 6)
     assert scheduler.prefix_cache.reused_tokens > reused  # they went on from the prefix
     assert scheduler.shared_prefill_rows >= rows + 3  # ... in one pass of three rows
+
+
+def test_prompts_arriving_steps_apart_wait_to_share_a_pass(burst):
+    """With ``prefill_wait_steps``, prompts that arrive a decode step or two apart while
+    another row decodes wait for one another and share a pass, none for more than the
+    limit, and each still gives the oracle's tokens. With no row decoding, a prompt
+    never waits."""
+    scheduler = burst.engine.scheduler
+    if not scheduler.family.batch_prefill:
+        pytest.skip("this family prefills text prompts one at a time")
+    tokenizer = burst.ctx.processor.tokenizer
+    base = tokenizer.encode(chat_prompt(burst.ctx, Case("w", "Name a bright colour.")), add_special_tokens=False)
+
+    def swapped(k: int) -> list[int]:  # the base with its k-th and (k+1)-th last tokens swapped
+        ids = list(base)
+        ids[-k - 1], ids[-k] = ids[-k], ids[-k - 1]
+        return ids
+
+    prompts = {f"arrive-{k}": swapped(k) for k in (1, 2, 3)}  # three prompts of one length
+    assert len({tuple(ids) for ids in prompts.values()}) == 3
+    waits: dict[str, int] = {}
+
+    def note_wait(phase, states):
+        if phase == "prefill":
+            for state in states:
+                waits.setdefault(state.id, scheduler._turns - state.admitted_turn)
+
+    limit, scheduler.config.prefill_wait_steps = 6, 6
+    rows = scheduler.shared_prefill_rows
+    try:
+        holder = burst.prepare(Case("hold", "Count to twenty.", max_tokens=16), "hold")
+        jobs = [(_prepared_from_ids(burst, rid, ids, 4), ("hold", k), None)
+                for k, (rid, ids) in enumerate(prompts.items(), start=1)]
+        results = run_held(burst.engine, holder, jobs, note_wait, pause=0.05)
+    finally:
+        scheduler.config.prefill_wait_steps = 0
+    for rid, ids in prompts.items():
+        assert results[rid]["tokens"] == _oracle_from_ids(burst, ids, 4)
+    assert all(waits[rid] <= limit for rid in prompts) and max(waits[rid] for rid in prompts) > 0
+    assert scheduler.shared_prefill_rows >= rows + 2  # at least two of them in one pass
+    assert waits["hold"] == 0  # nothing was decoding when it came

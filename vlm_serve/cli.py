@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled between two decode steps (higher: bursts of "
                         "new requests start sooner; lower: smoother running streams); "
                         "default 2048 on a GPU, 512 on the CPU")
+    g.add_argument("--prefill-wait-steps", type=_steps, default=None,
+                   help="decode steps a new prompt may wait, while others are decoding, for "
+                        "more prompts to share its prefill passes (fewer, fuller passes: more "
+                        "throughput under load, a little more time to first token; 0: never "
+                        "wait); default 8 on a GPU, 0 on the CPU")
     g.add_argument("--vision-cache-size", type=int, default=d.vision_cache_size,
                    help="image sets whose vision features are kept for reuse (0: off)")
     g.add_argument("--vision-cache-gb", type=float, default=d.vision_cache_gb,
@@ -169,6 +174,16 @@ def _memory_size(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text.strip()
+
+
+def _steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = -1
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, 0 or more: {text!r}")
+    return steps
 
 
 def _comma_list(text: str) -> list[str]:

@@ -31,7 +31,7 @@ d = json.load(open(sys.argv[1]))
 print(sys.argv[2], {k: d[k] for k in ("wall_s", "ttft_mean_s", "ttft_max_s")},
       {k: round(v) for k, v in d["stages_ms"].items()})
 for site, s in d["async_eval_by_site"].items():
-    print("   ", site, s["calls"], "calls", s["total_ms"], "ms, p50", s["p50_ms"], "largest", s["largest_ms"])
+    print("   ", site, s["calls"], "calls", s["total_ms"], "ms, cpu", s["cpu_ms"], "ms, p50", s["p50_ms"], "largest", s["largest_ms"])
 PY
   done
 done

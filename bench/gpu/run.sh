@@ -12,7 +12,9 @@
 # samples vlm-serve's threads with py-spy while it serves (PROFILE=native adds C++
 # frames; needs py-spy: pip install it, offline from wheels brought along) and
 # summarizes them (bench/pyspy_summary.py); the server log lists every scheduler turn
-# over 250 ms with its parts.
+# over 250 ms with its parts. VLM_SERVE_ARGS adds options to vlm-serve's command line.
+# RATE=R sends SWEEP x PER_LEVEL requests as Poisson arrivals at R a second instead, at
+# most SWEEP (one level) in flight.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -50,10 +52,15 @@ else
   REQUEST="--image-size 896x896 --images-per-request 1 --prompt-tokens 64"
 fi
 
+if [ -n "${RATE:-}" ]; then  # open loop: Poisson arrivals at RATE/s, at most SWEEP in flight
+  LEVELS="--max-concurrency $SWEEP --request-rate $RATE --num-prompts $((SWEEP * PER_LEVEL))"
+else
+  LEVELS="--concurrency-sweep $SWEEP --num-prompts-per-concurrency $PER_LEVEL"
+fi
+
 sweep() {  # label base_url
   python3 bench/serve.py --base-url "$2" --model "$MODEL" --label "$1" \
-      --concurrency-sweep "$SWEEP" --num-prompts-per-concurrency "$PER_LEVEL" --warmup 4 \
-      $REQUEST --max-tokens 256 \
+      $LEVELS --warmup 4 $REQUEST --max-tokens 256 \
       --result-json "$OUT/$1.json" > "$OUT/$1.bench.log" 2>&1
   tail -8 "$OUT/$1.bench.log"
 }
@@ -75,7 +82,8 @@ profile_stop() {  # label
 
 if has vlm-serve; then
   python3 -m vlm_serve.cli --model "$MODEL" --served-model-name "$MODEL" --port 8000 \
-      --max-num-seqs 128 --max-queue-size 1024 --log-level info > "$OUT/vlm-serve.server.log" 2>&1 &
+      --max-num-seqs 128 --max-queue-size 1024 --log-level info ${VLM_SERVE_ARGS:-} \
+      > "$OUT/vlm-serve.server.log" 2>&1 &
   pid=$!
   if wait_up http://127.0.0.1:8000/health $pid; then
     profile_start $pid vlm-serve

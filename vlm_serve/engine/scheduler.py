@@ -88,6 +88,7 @@ class RequestState:
     # Copies of this prompt that join the batch from this state's prefill (n > 1).
     copies: list["RequestState"] = field(default_factory=list)
     waited_for_memory: bool = False
+    admitted_turn: int = 0  # the scheduler's turn that admitted it to prefill
 
     @property
     def id(self) -> str:
@@ -116,6 +117,9 @@ class SchedulerConfig:
     # Prompt tokens prefilled between two decode steps: more means faster time to first
     # token for new requests, less means smoother streams for running ones.
     prefill_token_budget: int = 2048
+    # Decode steps a new prompt may wait, while rows are decoding, for more prompts to
+    # share its prefill passes (see ``Scheduler._gathering_prompts``); 0: none.
+    prefill_wait_steps: int = 0
     # Pad last prefill passes to coarse lengths so their shapes repeat (on a GPU, where
     # a pass of a new length costs the host its per-shape setup; see
     # ``prefill.last_pass_length``).
@@ -179,6 +183,7 @@ class Scheduler:
         self.shared_tower_requests = 0  # requests whose images ran in a shared tower call
         self.slow_turns = 0  # turns that held running streams up over SLOW_TURN_S
         self._slow_turn_logged = float("-inf")
+        self._turns = 0  # turns taken; counts a prompt's wait in steps, the same on every rank
 
     def _budget(self, model, family: Family, config: SchedulerConfig) -> KVBudget:
         layout = KVLayout.probe(model.language_model)
@@ -314,9 +319,10 @@ class Scheduler:
         idle = not (self.waiting or self.prefilling or self.running or self._inflight)
         self._take_inputs(idle)
         started = time.perf_counter()
+        self._turns += 1
         self._admit()
         budget, passes = self.config.prefill_token_budget, 0
-        while self.prefilling and budget > 0:
+        while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
             budget -= self._prefill_step()
             passes += 1
         prefilled = time.perf_counter()
@@ -476,6 +482,7 @@ class Scheduler:
                     continue
             demand = trial
             state.prefill = self._new_prefill(state)
+            state.admitted_turn = self._turns
             self.prefilling.append(state)
 
     # -- prefill ----------------------------------------------------------------------
@@ -514,6 +521,32 @@ class Scheduler:
             if member.prefill is not None and member.prefill.done:
                 self._join(member)
         return cost
+
+    def _gathering_prompts(self) -> bool:
+        """Whether the prompts admitted to prefill wait this turn for more to share their
+        passes. On a GPU a pass costs the host about as much for one prompt as for seven
+        (MLX launches its kernels one by one), so a loaded server that prefills each
+        arrival alone spends much of its time launching passes. They wait only while
+        rows are decoding (no one idles), none has started, the first may share a pass,
+        more may still come and fit in it, and for at most ``prefill_wait_steps``
+        decode steps from the first one's admission. Counted in turns, not seconds, so
+        every tensor-parallel rank decides the same."""
+        wait, family = self.config.prefill_wait_steps, self.family
+        if wait <= 0 or not self.running or self.waiting or not family.batch_prefill:
+            return False
+        head = self.prefilling[0]
+        if self._turns - head.admitted_turn >= wait:
+            return False
+        if head.request.has_media and not (family.batch_prefill_images or family.batch_vision):
+            return False
+        tokens = rows = 0
+        for state in self.prefilling:
+            prefill = state.prefill
+            if prefill.started or prefill.group or prefill.alone:
+                return False  # a prompt under way goes on
+            tokens += min(self.config.prefill_step_size, state.request.num_prompt_tokens)
+            rows += 1 + len(state.copies)
+        return tokens < self.config.prefill_token_budget and len(self.running) + rows < self.config.max_num_seqs
 
     def _group_from(self, head: RequestState) -> None:
         """Prompts in line that may share ``head``'s prefill passes, up to what one
