@@ -26,6 +26,7 @@ from mlx_vlm.models.base import (
 )
 from mlx_vlm.models.gemma3.language import clip_residual
 
+from . import cuda_norms
 from .attention import attend, prefill_attend
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
@@ -96,12 +97,15 @@ class Gemma3Decoder(StepDecoder):
 
     def forward(self, tokens, positions, indices, visible, keys, values):
         h = self.embed(tokens)  # (slots, hidden): 3-D would cost each matmul a reshape
-        h = h * self.embed_scale.astype(h.dtype)
+        h = clip_residual(h * self.embed_scale.astype(h.dtype))
         write = KVWriter(self, indices, keys, values)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, positions, visible[self.kind_index[i]], write, i)
-        h = mx.fast.rms_norm(h, self.final_norm, self.eps)
-        return self.head(h), write.keys, write.values
+        # Each layer takes its input and the input's norm, and returns its output and
+        # the norm the next layer (or the output layer) takes of it.
+        n = self.layers[0].norm("input_layernorm", h)
+        next_norms = [layer.norms["input_layernorm"] for layer in self.layers[1:]] + [self.final_norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            h, n = layer(h, n, next_norm, positions, visible[self.kind_index[i]], write, i)
+        return self.head(n), write.keys, write.values
 
 
 class _Layer:
@@ -124,14 +128,16 @@ class _Layer:
         self.down_proj = StepLinear(block.mlp.down_proj)
         mx.eval(self.norms, self.q_norm, self.k_norm)
 
-    def _norm(self, name: str, x: mx.array) -> mx.array:
+    def norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norms[name], self.eps)
 
-    def __call__(self, x, positions, visible, write: KVWriter, index: int) -> mx.array:
+    def __call__(self, x, normed, next_norm, positions, visible, write: KVWriter,
+                 index: int) -> tuple[mx.array, mx.array]:
+        """One decode step of the layer: ``x`` its input and ``normed`` the input's
+        norm; returns its output and that output's norm by ``next_norm``."""
         attn = self.attn
         B = x.shape[0]
-        x = clip_residual(x)
-        q, k, v = self._qkv(x)
+        q, k, v = mx.split(self.qkv(normed), self.qkv_split, axis=-1)
         # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
         q = mx.fast.rms_norm(q.reshape(B, attn.n_heads, 1, -1), self.q_norm, self.eps)
         k = mx.fast.rms_norm(k.reshape(B, attn.n_kv_heads, 1, -1), self.k_norm, self.eps)
@@ -139,7 +145,20 @@ class _Layer:
         q = attn.rope(q, offset=positions)
         k = attn.rope(k, offset=positions)
         keys, values = write(index, k, v)
-        return self._after_attention(x, self.o_proj(attend(q, keys, values, attn.scale, visible)))
+        r = self.o_proj(attend(q, keys, values, attn.scale, visible))
+        h, normed = self._add_norm(x, r, self.norms["post_attention_layernorm"],
+                                   self.norms["pre_feedforward_layernorm"])
+        gate, up = mx.split(self.gate_up(normed), self.gate_up_split, axis=-1)
+        r = self.down_proj(_gelu_times(gate, up))
+        return self._add_norm(h, r, self.norms["post_feedforward_layernorm"], next_norm)
+
+    def _add_norm(self, x, r, w_after, w_next) -> tuple[mx.array, mx.array]:
+        """``h = x + rms_norm(r, w_after)`` (Gemma's residual) and ``rms_norm(h,
+        w_next)``: one kernel on CUDA, three MLX ops elsewhere."""
+        if cuda_norms.fits(x):
+            return cuda_norms.add_norm(x, r, w_after, w_next, self.eps)
+        h = clip_residual(x + mx.fast.rms_norm(r, w_after, self.eps))
+        return h, mx.fast.rms_norm(h, w_next, self.eps)
 
     def prefill(self, x: mx.array, B: int, L: int, cache, attention) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
@@ -158,17 +177,17 @@ class _Layer:
 
     def _qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values of ``x`` (2-D), from the one fused projection."""
-        return mx.split(self.qkv(self._norm("input_layernorm", x)), self.qkv_split, axis=-1)
+        return mx.split(self.qkv(self.norm("input_layernorm", x)), self.qkv_split, axis=-1)
 
     def _after_attention(self, x: mx.array, r: mx.array) -> mx.array:
         """The layer's output from its input ``x`` and attention output ``r``: the
         residuals and the MLP."""
-        h = clip_residual(x + self._norm("post_attention_layernorm", r))
+        h = clip_residual(x + self.norm("post_attention_layernorm", r))
         gate, up = mx.split(
-            self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1
+            self.gate_up(self.norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1
         )
         r = self.down_proj(_gelu_times(gate, up))
-        return clip_residual(h + self._norm("post_feedforward_layernorm", r))
+        return clip_residual(h + self.norm("post_feedforward_layernorm", r))
 
 
 @mx.compile

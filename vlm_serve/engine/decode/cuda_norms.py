@@ -1,0 +1,96 @@
+"""A residual add between two RMSNorms as one CUDA kernel, for decode steps.
+
+Gemma's layers end both halves the same way: ``h = x + rms_norm(r, w_after)``, then
+``rms_norm(h, w_next)`` for what comes next (the MLP's input, or the next layer's). MLX
+runs that as three kernels, and on CUDA a decode step's cost is mostly the host
+launching its kernels one by one (``bench/results/gpu-h100-prefill-wait``): one kernel
+instead of three is two launches fewer, twice per layer.
+
+One block per row, with a fixed number of threads: a row's sums of squares are added in
+the same order whatever else is in the batch, so a row batched and alone get the same
+bits (``tests/test_cuda_norms.py``, on a CUDA machine). The arithmetic is MLX's: the
+norms in float32, each result rounded to the input's dtype where MLX rounds it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from .cuda_attention import available
+
+THREADS = 256
+
+_HEADER = """
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float x, float* shared) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffff, x, offset);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < THREADS / 32; ++w) total += shared[w];  // in warp order, on every thread
+  __syncthreads();  // the shared slots are free again
+  return total;
+}
+"""
+
+_SOURCE = """
+  const size_t base = (size_t)blockIdx.y * H;
+  __shared__ float sums[THREADS / 32];
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < H; i += THREADS) {
+    const float v = static_cast<float>(r[base + i]);
+    ss += v * v;
+  }
+  const float inv_r = rsqrtf(block_sum<THREADS>(ss, sums) / H + EPS);
+  ss = 0.0f;
+  for (int i = threadIdx.x; i < H; i += THREADS) {
+    const T normed = static_cast<T>(static_cast<float>(r[base + i]) * inv_r * static_cast<float>(w_after[i]));
+    const T sum = static_cast<T>(static_cast<float>(x[base + i]) + static_cast<float>(normed));
+    h[base + i] = sum;
+    const float v = static_cast<float>(sum);
+    ss += v * v;
+  }
+  const float inv_h = rsqrtf(block_sum<THREADS>(ss, sums) / H + EPS);
+  for (int i = threadIdx.x; i < H; i += THREADS) {
+    n[base + i] = static_cast<T>(static_cast<float>(h[base + i]) * inv_h * static_cast<float>(w_next[i]));
+  }
+"""
+
+
+def fits(x: mx.array) -> bool:
+    """Whether ``add_norm`` runs as the kernel for ``x``: on CUDA, for the dtypes in
+    which Gemma's residual needs no clipping (float16's does)."""
+    return available() and x.dtype in (mx.bfloat16, mx.float32)
+
+
+@functools.cache
+def _kernel(eps: float):
+    # eps is a compile-time constant (MLX's template arguments take ints, bools, dtypes).
+    tag = f"{float(eps)!r}".replace(".", "p").replace("-", "m")
+    return mx.fast.cuda_kernel(
+        name=f"vlm_add_norm_{tag}",
+        input_names=["x", "r", "w_after", "w_next"],
+        output_names=["h", "n"],
+        source=_SOURCE,
+        header=_HEADER + f"#define EPS {float(eps)!r}f\n",
+    )
+
+
+def add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array,
+             eps: float) -> tuple[mx.array, mx.array]:
+    """``x``, ``r`` (rows, hidden); ``w_after``, ``w_next`` (hidden,), the norms' full
+    weights. Returns ``h = x + rms_norm(r, w_after)`` and ``rms_norm(h, w_next)``."""
+    rows, hidden = x.shape
+    return _kernel(eps)(
+        inputs=[x, r, w_after, w_next],
+        template=[("T", x.dtype), ("H", hidden), ("THREADS", THREADS)],
+        grid=(THREADS, rows, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, hidden), (rows, hidden)],
+        output_dtypes=[x.dtype, x.dtype],
+    )
