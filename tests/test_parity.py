@@ -293,12 +293,12 @@ def test_repeated_images_reuse_vision_features_and_match_oracle(harness, monkeyp
         _assert_matches_oracle(harness, case, result)
 
 
-def _prepared_from_ids(harness, rid: str, ids: list[int], max_tokens: int):
+def _prepared_from_ids(harness, rid: str, ids: list[int], max_tokens: int, ignore_eos: bool = False):
     import numpy as np
 
     from vlm_serve.engine.types import PreparedRequest
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     return PreparedRequest(rid, np.array(ids, np.int32), params)
 
 
@@ -540,23 +540,27 @@ def test_prompts_of_different_lengths_share_a_padded_last_pass(burst):
 
 
 def test_prompts_arriving_steps_apart_wait_to_share_a_pass(burst):
-    """With ``prefill_wait_steps``, prompts that arrive a decode step or two apart while
+    """With ``prefill_wait_steps``, prompts that keep arriving a decode step apart while
     another row decodes wait for one another and share a pass, none for more than the
-    limit, and each still gives the oracle's tokens. With no row decoding, a prompt
-    never waits."""
+    limit, and each still gives the oracle's tokens. A prompt waits only once prompts
+    have been arriving that often: the first ones, and one that comes when nothing is
+    decoding, never wait."""
     scheduler = burst.engine.scheduler
     if not scheduler.family.batch_prefill:
         pytest.skip("this family prefills text prompts one at a time")
     tokenizer = burst.ctx.processor.tokenizer
     base = tokenizer.encode(chat_prompt(burst.ctx, Case("w", "Name a bright colour.")), add_special_tokens=False)
 
-    def swapped(k: int) -> list[int]:  # the base with its k-th and (k+1)-th last tokens swapped
+    def swapped(k: int) -> list[int]:
+        # The base with its 5th token swapped for a later one: the prompts differ early,
+        # so those already served leave the same cached prefix (the chat template's
+        # opening) for each of the rest, which may then share passes from its end.
         ids = list(base)
-        ids[-k - 1], ids[-k] = ids[-k], ids[-k - 1]
+        ids[4], ids[4 + k] = ids[4 + k], ids[4]
         return ids
 
-    prompts = {f"arrive-{k}": swapped(k) for k in (1, 2, 3)}  # three prompts of one length
-    assert len({tuple(ids) for ids in prompts.values()}) == 3
+    prompts = {f"arrive-{k}": swapped(k) for k in range(1, 7)}  # six prompts of one length
+    assert len({tuple(ids) for ids in prompts.values()}) == 6
     waits: dict[str, int] = {}
 
     def note_wait(phase, states):
@@ -567,8 +571,9 @@ def test_prompts_arriving_steps_apart_wait_to_share_a_pass(burst):
     limit, scheduler.config.prefill_wait_steps = 6, 6
     rows = scheduler.shared_prefill_rows
     try:
-        holder = burst.prepare(Case("hold", "Count to twenty.", max_tokens=16), "hold")
-        jobs = [(_prepared_from_ids(burst, rid, ids, 4), ("hold", k), None)
+        holder = burst.prepare(Case("hold", "Count to twenty.", max_tokens=24), "hold")
+        # ignore_eos: the oracle's greedy steps do not stop at an end token either.
+        jobs = [(_prepared_from_ids(burst, rid, ids, 4, ignore_eos=True), ("hold", k), None)
                 for k, (rid, ids) in enumerate(prompts.items(), start=1)]
         results = run_held(burst.engine, holder, jobs, note_wait, pause=0.05)
     finally:
@@ -578,3 +583,4 @@ def test_prompts_arriving_steps_apart_wait_to_share_a_pass(burst):
     assert all(waits[rid] <= limit for rid in prompts) and max(waits[rid] for rid in prompts) > 0
     assert scheduler.shared_prefill_rows >= rows + 2  # at least two of them in one pass
     assert waits["hold"] == 0  # nothing was decoding when it came
+    assert waits["arrive-1"] == 0  # prompts had not been arriving often yet

@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 2048 on a GPU, 512 on the CPU")
     g.add_argument("--prefill-wait-steps", type=_steps, default=None,
                    help="decode steps a new prompt may wait, while others are decoding, for "
-                        "more prompts to share its prefill passes (fewer, fuller passes: more "
-                        "throughput under load, a little more time to first token; 0: never "
-                        "wait); default 8 on a GPU, 0 on the CPU")
+                        "more prompts to share its prefill passes, where prompts have been "
+                        "arriving that often lately (fewer, fuller passes: more throughput "
+                        "under load, a little more time to first token; 0: never wait); "
+                        "default 8 on a GPU, 0 on the CPU")
     g.add_argument("--vision-cache-size", type=int, default=d.vision_cache_size,
                    help="image sets whose vision features are kept for reuse (0: off)")
     g.add_argument("--vision-cache-gb", type=float, default=d.vision_cache_gb,

@@ -184,6 +184,7 @@ class Scheduler:
         self.slow_turns = 0  # turns that held running streams up over SLOW_TURN_S
         self._slow_turn_logged = float("-inf")
         self._turns = 0  # turns taken; counts a prompt's wait in steps, the same on every rank
+        self._admissions: deque[int] = deque(maxlen=64)  # the turns that admitted prompts lately
 
     def _budget(self, model, family: Family, config: SchedulerConfig) -> KVBudget:
         layout = KVLayout.probe(model.language_model)
@@ -483,6 +484,7 @@ class Scheduler:
             demand = trial
             state.prefill = self._new_prefill(state)
             state.admitted_turn = self._turns
+            self._admissions.append(self._turns)
             self.prefilling.append(state)
 
     # -- prefill ----------------------------------------------------------------------
@@ -529,13 +531,18 @@ class Scheduler:
         arrival alone spends much of its time launching passes. They wait only while
         rows are decoding (no one idles), none has started, the first may share a pass,
         more may still come and fit in it, and for at most ``prefill_wait_steps``
-        decode steps from the first one's admission. Counted in turns, not seconds, so
-        every tensor-parallel rank decides the same."""
+        decode steps from the first one's admission; and only while prompts have been
+        arriving about as often as that lately, so that at light load a prompt never
+        waits for no one. Counted in turns, not seconds, so every tensor-parallel rank
+        decides the same."""
         wait, family = self.config.prefill_wait_steps, self.family
         if wait <= 0 or not self.running or self.waiting or not family.batch_prefill:
             return False
         head = self.prefilling[0]
         if self._turns - head.admitted_turn >= wait:
+            return False
+        # At least one admission per ``wait`` turns over the last 4 * wait turns.
+        if sum(self._turns - turn < 4 * wait for turn in self._admissions) < 4:
             return False
         if head.request.has_media and not (family.batch_prefill_images or family.batch_vision):
             return False
