@@ -570,6 +570,7 @@ def test_prompts_arriving_steps_apart_wait_to_share_a_pass(burst):
 
     limit, scheduler.config.prefill_wait_steps = 6, 6
     rows = scheduler.shared_prefill_rows
+    scheduler._admissions.clear()  # arrivals of earlier tests are no rate of this one
     try:
         holder = burst.prepare(Case("hold", "Count to twenty.", max_tokens=24), "hold")
         # ignore_eos: the oracle's greedy steps do not stop at an end token either.
