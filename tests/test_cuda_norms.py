@@ -29,7 +29,7 @@ def _inputs(rows: int, hidden: int, dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_matches_mlx_ops(hidden, dtype):
     x, r, w_after, w_next = _inputs(7, hidden, dtype, hidden)
-    h, n = cuda_norms.add_norm(x, r, w_after, w_next, EPS)
+    h, n = cuda_norms.fused_add_norm(x, r, w_after, w_next, EPS)
     h_mlx = x + mx.fast.rms_norm(r, w_after, EPS)
     n_mlx = mx.fast.rms_norm(h_mlx, w_next, EPS)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
@@ -42,7 +42,7 @@ def test_matches_mlx_ops(hidden, dtype):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_a_row_gets_the_same_bits_batched_as_alone(dtype):
     x, r, w_after, w_next = _inputs(64, 2560, dtype)
-    h, n = cuda_norms.add_norm(x, r, w_after, w_next, EPS)
+    h, n = cuda_norms.fused_add_norm(x, r, w_after, w_next, EPS)
     for row in (0, 17, 63):
-        h1, n1 = cuda_norms.add_norm(x[row:row + 1], r[row:row + 1], w_after, w_next, EPS)
+        h1, n1 = cuda_norms.fused_add_norm(x[row:row + 1], r[row:row + 1], w_after, w_next, EPS)
         assert mx.array_equal(h1[0], h[row]).item() and mx.array_equal(n1[0], n[row]).item()

@@ -1,4 +1,5 @@
-"""A residual add between two RMSNorms as one CUDA kernel, for decode steps.
+"""A residual add between two RMSNorms as one CUDA kernel, for decode steps (MLX's ops
+elsewhere).
 
 Gemma's layers end both halves the same way: ``h = x + rms_norm(r, w_after)``, then
 ``rms_norm(h, w_next)`` for what comes next (the MLP's input, or the next layer's). MLX
@@ -68,6 +69,20 @@ def fits(x: mx.array) -> bool:
     return available() and x.dtype in (mx.bfloat16, mx.float32)
 
 
+def add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array, eps: float,
+             clip=None) -> tuple[mx.array, mx.array]:
+    """``x``, ``r`` (rows, hidden); ``w_after``, ``w_next`` (hidden,), the norms' full
+    weights. Returns ``h = x + rms_norm(r, w_after)`` and ``rms_norm(h, w_next)``: one
+    kernel where it ``fits``, else MLX's ops, with ``clip`` (Gemma 3's float16
+    clipping) applied to ``h``."""
+    if fits(x):
+        return fused_add_norm(x, r, w_after, w_next, eps)
+    h = x + mx.fast.rms_norm(r, w_after, eps)
+    if clip is not None:
+        h = clip(h)
+    return h, mx.fast.rms_norm(h, w_next, eps)
+
+
 @functools.cache
 def _kernel(eps: float):
     # eps is a compile-time constant (MLX's template arguments take ints, bools, dtypes).
@@ -81,10 +96,9 @@ def _kernel(eps: float):
     )
 
 
-def add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array,
-             eps: float) -> tuple[mx.array, mx.array]:
-    """``x``, ``r`` (rows, hidden); ``w_after``, ``w_next`` (hidden,), the norms' full
-    weights. Returns ``h = x + rms_norm(r, w_after)`` and ``rms_norm(h, w_next)``."""
+def fused_add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array,
+                   eps: float) -> tuple[mx.array, mx.array]:
+    """``add_norm`` as the kernel (CUDA only)."""
     rows, hidden = x.shape
     return _kernel(eps)(
         inputs=[x, r, w_after, w_next],

@@ -5,7 +5,9 @@ without what a general forward pass pays for on every layer: masks and offsets a
 built once per step (by the store), RMSNorm weights are ``1 + w`` once at load, the
 query/key/value projections are one matmul and gate/up another (their weights fused at
 load, the model's own projections left as views of the fused weights), activations stay
-2-D and single-token head transposes are reshapes.
+2-D and single-token head transposes are reshapes. On CUDA each residual add and the
+norms on either side of it run as one kernel (``cuda_norms``): the step's last norm of a
+layer is the next layer's input norm.
 
 Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
 own masks, caches and attention, and the output layer on the last position only: on
@@ -26,8 +28,8 @@ from mlx_vlm.models.base import (
 )
 from mlx_vlm.models.gemma3.language import clip_residual
 
-from . import cuda_norms
 from .attention import attend, prefill_attend
+from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
 from .store import LayerKind
@@ -146,19 +148,12 @@ class _Layer:
         k = attn.rope(k, offset=positions)
         keys, values = write(index, k, v)
         r = self.o_proj(attend(q, keys, values, attn.scale, visible))
-        h, normed = self._add_norm(x, r, self.norms["post_attention_layernorm"],
-                                   self.norms["pre_feedforward_layernorm"])
+        # Each residual add and the norms on either side of it: one kernel on CUDA.
+        h, normed = add_norm(x, r, self.norms["post_attention_layernorm"],
+                             self.norms["pre_feedforward_layernorm"], self.eps, clip_residual)
         gate, up = mx.split(self.gate_up(normed), self.gate_up_split, axis=-1)
         r = self.down_proj(_gelu_times(gate, up))
-        return self._add_norm(h, r, self.norms["post_feedforward_layernorm"], next_norm)
-
-    def _add_norm(self, x, r, w_after, w_next) -> tuple[mx.array, mx.array]:
-        """``h = x + rms_norm(r, w_after)`` (Gemma's residual) and ``rms_norm(h,
-        w_next)``: one kernel on CUDA, three MLX ops elsewhere."""
-        if cuda_norms.fits(x):
-            return cuda_norms.add_norm(x, r, w_after, w_next, self.eps)
-        h = clip_residual(x + mx.fast.rms_norm(r, w_after, self.eps))
-        return h, mx.fast.rms_norm(h, w_next, self.eps)
+        return add_norm(h, r, self.norms["post_feedforward_layernorm"], next_norm, self.eps, clip_residual)
 
     def prefill(self, x: mx.array, B: int, L: int, cache, attention) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's

@@ -19,6 +19,9 @@ q/k/v and gate/up matmuls, 2-D activations), Gemma 4 has:
 - norms that scale by their weight as it is (no ``1 + w``), a per-layer scalar, final
   logit soft-capping, attention scale 1.
 
+On CUDA the residual add after attention and the norms on either side of it run as one
+kernel (``cuda_norms``), which gives a row the same bits batched as alone.
+
 The mixture-of-experts variant (``enable_moe_block``) is not reproduced here: its
 constructor raises TypeError and the family decodes through the model code.
 """
@@ -30,6 +33,7 @@ from mlx.nn import gelu_approx
 from mlx_vlm.models.gemma4.language import geglu, logit_softcap
 
 from .attention import attend
+from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
 from .store import LayerKind
@@ -162,10 +166,10 @@ class _Layer:
         q = mx.fast.rms_norm(q.reshape(B, self.heads, 1, -1), self.q_norm, self.eps)
         q = self.rope(q, offset=positions)
         r = self.o_proj(attend(q, keys, values, self.scale, visible))
-        h = x + self._norm("post_attention_layernorm", r)
-        gate, up = mx.split(
-            self.gate_up(self._norm("pre_feedforward_layernorm", h)), self.gate_up_split, axis=-1
-        )
+        # The residual add and the norms on either side of it: one kernel on CUDA.
+        h, normed = add_norm(x, r, self.norms["post_attention_layernorm"],
+                             self.norms["pre_feedforward_layernorm"], self.eps)
+        gate, up = mx.split(self.gate_up(normed), self.gate_up_split, axis=-1)
         r = self.down_proj(geglu(gate, up))
         h = h + self._norm("post_feedforward_layernorm", r)
         if self.per_layer_gate is not None and pli is not None:
