@@ -198,6 +198,9 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
+    if args.check:  # one line last, so a truncated log still says it
+        print(f"rows equal: {result['rows_equal']} / {result['rows']}, first differing step per row: "
+              f"{result['first_difference']}")
 
 
 if __name__ == "__main__":
