@@ -447,6 +447,8 @@ class Scheduler:
         """Admit waiting requests in order while they fit: in the batch, and in KV
         memory beside what the admitted ones may come to hold. The first that does not
         fit waits, and everyone behind it, so a large request is never starved."""
+        if not self.waiting:
+            return  # measuring the admitted requests' demand walks every one of them
         limit = self.config.max_num_seqs if self.family.batched else 1
         demand = self._demand()
         while self.waiting:
