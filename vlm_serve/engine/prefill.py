@@ -71,6 +71,11 @@ class Prefill:
     def started(self) -> bool:
         return self.embeds is not None or self.done
 
+    @property
+    def may_group(self) -> bool:
+        """Free to join a shared pass: not started, in no group, not made to go alone."""
+        return not (self.started or self.group or self.alone)
+
     def start(self) -> int:
         """Materialize the prepared numpy inputs and queue the vision tower. Returns its
         cost in prompt tokens (the scheduler's prefill budget counts these)."""

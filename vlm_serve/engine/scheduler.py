@@ -496,7 +496,7 @@ class Scheduler:
         passes with); returns its token cost."""
         state = self.prefilling[0]
         prefill = state.prefill
-        if self.family.batch_prefill and not (prefill.started or prefill.group or prefill.alone):
+        if self.family.batch_prefill and prefill.may_group:
             self._group_from(state)
         group = prefill.group
         states = self._group_states(group) if group is not None else [state]
@@ -546,35 +546,41 @@ class Scheduler:
         # At least one admission per ``wait`` turns over the last 4 * wait turns.
         if sum(self._turns - turn < 4 * wait for turn in self._admissions) < 4:
             return False
-        if head.request.has_media and not (family.batch_prefill_images or family.batch_vision):
+        if not self._may_share(head):
             return False
         tokens = rows = 0
         for state in self.prefilling:
-            prefill = state.prefill
-            if prefill.started or prefill.group or prefill.alone:
+            if not state.prefill.may_group:
                 return False  # a prompt under way goes on
-            tokens += min(self.config.prefill_step_size, state.request.num_prompt_tokens)
+            tokens += self._first_pass_tokens(state)
             rows += 1 + len(state.copies)
         return tokens < self.config.prefill_token_budget and len(self.running) + rows < self.config.max_num_seqs
 
     def _group_from(self, head: RequestState) -> None:
         """Prompts in line that may share ``head``'s prefill passes, up to what one
         shared pass may cost within the prefill token budget."""
-        family, budget = self.family, self.config.prefill_token_budget
+        budget = self.config.prefill_token_budget
         chosen, cost = [], 0
         for state in self.prefilling:
-            prefill = state.prefill
-            if prefill.started or prefill.group or prefill.alone:
+            if not (state.prefill.may_group and self._may_share(state)):
                 continue
-            if state.request.has_media and not (family.batch_prefill_images or family.batch_vision):
-                continue
-            tokens = min(self.config.prefill_step_size, state.request.num_prompt_tokens)
+            tokens = self._first_pass_tokens(state)
             if chosen and cost + tokens > budget:
                 break
-            chosen.append(prefill)
+            chosen.append(state.prefill)
             cost += tokens
         if len(chosen) > 1 and chosen[0] is head.prefill:
-            PrefillGroup(self.model, family, chosen)
+            PrefillGroup(self.model, self.family, chosen)
+
+    def _may_share(self, state: RequestState) -> bool:
+        """Whether the family lets this prompt share passes (text always; images only
+        where it batches their passes or their tower calls)."""
+        family = self.family
+        return not state.request.has_media or family.batch_prefill_images or family.batch_vision
+
+    def _first_pass_tokens(self, state: RequestState) -> int:
+        """What this prompt's first pass costs of the prefill token budget."""
+        return min(self.config.prefill_step_size, state.request.num_prompt_tokens)
 
     def _group_states(self, group: PrefillGroup) -> list[RequestState]:
         return [s for s in self.prefilling if s.prefill is not None and s.prefill.group is group]
