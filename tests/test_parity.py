@@ -3,6 +3,10 @@
 The oracle is mlx-vlm's own ``stream_generate`` on a separately loaded copy of the same
 tiny model, one request at a time; greedy decoding in float32 on the CPU. Every request
 of a mixed batch must produce exactly the oracle's tokens.
+
+On CUDA the engine computes with kernels of its own (attention, and the row-exact
+matmul), whose sums round otherwise than mlx-vlm's, so the oracle there is a second
+engine serving one request at a time: the promise is the same tokens batched as alone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import pytest
 from mlx_vlm import load as vlm_load
 from mlx_vlm import stream_generate
 
+from vlm_serve.engine import row_exact
 from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.scheduler import SchedulerConfig
 from vlm_serve.engine.types import FinishReason, SamplingParams
@@ -60,6 +65,11 @@ class Harness:
         self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
         self.oracle_model, self.oracle_processor = vlm_load(path)
         self._oracle_cache: dict = {}
+        self.alone = None  # on CUDA: the engine that serves the oracle's requests one at a time
+        if row_exact.applies():
+            self.alone = Engine(path, SchedulerConfig(max_num_seqs=1, prefill_step_size=PREFILL_STEP,
+                                                      prefill_token_budget=PREFILL_STEP))
+            self.alone.start()
 
     def prepare(self, case: Case, rid: str, **sampling):
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, stop=case.stop, **sampling)
@@ -67,6 +77,9 @@ class Harness:
 
     def oracle(self, case: Case) -> list[int]:
         key = (case.name, case.max_tokens)
+        if key not in self._oracle_cache and self.alone is not None:
+            prepared = self.prepare(case, f"alone-{case.name}")
+            self._oracle_cache[key] = run_jobs(self.alone, [(prepared, None, None)])[prepared.request_id]["tokens"]
         if key not in self._oracle_cache:
             final = None
             for result in stream_generate(
@@ -122,6 +135,8 @@ def harness(request, model_path):
     h = Harness(str(model_path(request.param)))
     yield h
     h.engine.shutdown()
+    if h.alone is not None:
+        h.alone.shutdown()
 
 
 def _cases() -> list[Case]:

@@ -2,13 +2,17 @@
 
 A model type is batched only once its family has passed the parity suite (batched
 tokens equal mlx-vlm's single-request tokens). Any other model type is served one row
-at a time, which is correct by construction, and the server says so at startup.
+at a time, which is correct by construction, and the server says so at startup. On
+CUDA a batched family also needs every linear layer of its language model on the
+row-exact matmul (``row_exact``); a model with one the kernel cannot take is served one
+row at a time too.
 """
 
 from __future__ import annotations
 
 import logging
 
+from .. import row_exact
 from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
@@ -57,8 +61,24 @@ def family_for(
         )
     else:
         family = cls(model, vision_cache_size, vision_cache_bytes)
+    if family.batched and row_exact.applies():
+        family = _row_exact(family, vision_cache_size, vision_cache_bytes)
     report = log.info if family.batched else log.warning
     report("model type %s: %s", model_type or "?", family.describe())
+    return family
+
+
+def _row_exact(family: Family, vision_cache_size: int, vision_cache_bytes: int) -> Family:
+    """``family`` with the row-exact matmul installed, its requests' images each in a
+    tower call of their own; or one row at a time where a layer cannot take it."""
+    left = row_exact.install(family.model.language_model)
+    if left:
+        shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+        return SerialFamily(
+            family.model, vision_cache_size, vision_cache_bytes,
+            reason=f"on CUDA, no row-exact matmul for {shown}",
+        )
+    family.batch_vision = False
     return family
 
 

@@ -1,0 +1,83 @@
+"""On CUDA, a row's bits whatever else shares its batch.
+
+On the CPU, MLX's operations give a row the same bits in a batch as alone, and the
+parity suite proves it on every commit. On CUDA its matmuls do not: they choose their
+kernel by the number of rows (``cuda_matmul``). So on CUDA, once at load:
+
+- every linear layer of the language model, and an embedding table read as the output
+  layer, runs through ``cuda_matmul.linear``, which adds each dot product's terms in
+  one order whatever the row count. The family's decode step calls it too (``decode.
+  fused.StepLinear``);
+- each request's images go through the vision tower in a call of their own, not
+  stacked with other requests' (the tower's convolutions and matmuls choose their
+  kernels by batch too);
+- a model with a linear layer the kernel cannot take (another quantization format, a
+  layer class of its own) is served one row at a time, and says so.
+
+``VLM_SERVE_MATMUL=mlx`` keeps MLX's matmul on CUDA, for comparison only: batched rows
+then drift from their tokens alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.nn as nn
+
+from . import cuda_matmul
+
+_USE_KERNEL = os.environ.get("VLM_SERVE_MATMUL", "exact") != "mlx"
+
+
+class _ExactLinear(nn.Linear):
+    def __call__(self, x):
+        return cuda_matmul.linear(x, self)
+
+
+class _ExactQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x):
+        return cuda_matmul.linear(x, self)
+
+
+class _ExactEmbedding(nn.Embedding):
+    def as_linear(self, x):
+        return cuda_matmul.linear(x, self)
+
+
+class _ExactQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x):
+        return cuda_matmul.linear(x, self)
+
+
+_EXACT = {
+    nn.Linear: _ExactLinear,
+    nn.QuantizedLinear: _ExactQuantizedLinear,
+    nn.Embedding: _ExactEmbedding,
+    nn.QuantizedEmbedding: _ExactQuantizedEmbedding,
+}
+
+
+def applies() -> bool:
+    """Whether this device needs the row-exact matmul (MLX's CUDA backend)."""
+    return _USE_KERNEL and cuda_matmul.available()
+
+
+def install(language_model: nn.Module) -> list[str]:
+    """Point the language model's linear layers (and embedding tables, as output
+    layers) at ``cuda_matmul``, in place. Returns the names of linear layers it cannot
+    take; an embedding table counts only where no ``lm_head`` is there to read
+    instead."""
+    modules = dict(language_model.named_modules())
+    tied = not any(name.split(".")[-1] == "lm_head" for name in modules)
+    left = []
+    for name, module in modules.items():
+        linear = isinstance(module, (nn.Linear, nn.QuantizedLinear))
+        table = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
+        if not (linear or table) or type(module) in _EXACT.values():
+            continue
+        dtype = module.scales.dtype if "scales" in module else module.weight.dtype
+        if type(module) in _EXACT and cuda_matmul.fits(module, dtype):
+            module.__class__ = _EXACT[type(module)]
+        elif linear or tied:
+            left.append(name or type(module).__name__)
+    return left
