@@ -99,12 +99,12 @@ def main() -> None:
 
 
 def _input_width(proj) -> int:
-    """The input features of a ``StepLinear`` (plain: its transposed weight; quantized:
-    its scales, one per group of inputs)."""
-    if proj.weight_t is not None:
-        return proj.weight_t.shape[0]
-    module = proj.call
-    return module.scales.shape[-1] * module.group_size
+    """The input features of a ``StepLinear``'s layer (plain: its weight's columns;
+    quantized: its scales, one per group of inputs)."""
+    module = proj.module
+    if "scales" in module:
+        return module.scales.shape[-1] * module.group_size
+    return module.weight.shape[-1]
 
 
 def _prefill(model, family, length: int, sizes: list[int]) -> tuple[dict, dict]:

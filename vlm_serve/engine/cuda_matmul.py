@@ -243,7 +243,7 @@ def available() -> bool:
 
 
 def _quantized(module) -> bool:
-    return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    return "scales" in module
 
 
 def fits(module: nn.Module, dtype: mx.Dtype) -> bool:

@@ -14,6 +14,11 @@ kernel by the number of rows (``cuda_matmul``). So on CUDA, once at load:
 - a model with a linear layer the kernel cannot take (another quantization format, a
   layer class of its own) is served one row at a time, and says so.
 
+A tensor-parallel rank's row-sharded layers (``ShardedToAllLinear``) take the kernel
+for their own partial product; the group's sum is NCCL's. Two ranks' sum is exact
+(``a + b == b + a``); with more, NCCL may order the sum by message size, which this
+does not control.
+
 ``VLM_SERVE_MATMUL=mlx`` keeps MLX's matmul on CUDA, for comparison only: batched rows
 then drift from their tokens alone.
 """
@@ -22,7 +27,9 @@ from __future__ import annotations
 
 import os
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
 from . import cuda_matmul
 
@@ -49,17 +56,37 @@ class _ExactQuantizedEmbedding(nn.QuantizedEmbedding):
         return cuda_matmul.linear(x, self)
 
 
+class _ExactShardedToAllLinear(ShardedToAllLinear):
+    def __call__(self, x):
+        x = mx.distributed.all_sum(cuda_matmul.linear(x, self), group=self.group)
+        return x + self["bias"] if "bias" in self else x
+
+
+class _ExactQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+    def __call__(self, x):
+        x = mx.distributed.all_sum(cuda_matmul.linear(x, self), group=self.group)
+        return x + self["bias"] if "bias" in self else x
+
+
 _EXACT = {
     nn.Linear: _ExactLinear,
     nn.QuantizedLinear: _ExactQuantizedLinear,
     nn.Embedding: _ExactEmbedding,
     nn.QuantizedEmbedding: _ExactQuantizedEmbedding,
+    # A tensor-parallel rank's row-sharded layers: its partial product, then the sum.
+    ShardedToAllLinear: _ExactShardedToAllLinear,
+    QuantizedShardedToAllLinear: _ExactQuantizedShardedToAllLinear,
 }
 
 
 def applies() -> bool:
     """Whether this device needs the row-exact matmul (MLX's CUDA backend)."""
     return _USE_KERNEL and cuda_matmul.available()
+
+
+def installed(module: nn.Module) -> bool:
+    """Whether ``module`` runs on the row-exact matmul (``install``)."""
+    return type(module) in _EXACT.values()
 
 
 def install(language_model: nn.Module) -> list[str]:
@@ -71,9 +98,10 @@ def install(language_model: nn.Module) -> list[str]:
     tied = not any(name.split(".")[-1] == "lm_head" for name in modules)
     left = []
     for name, module in modules.items():
-        linear = isinstance(module, (nn.Linear, nn.QuantizedLinear))
+        linear = isinstance(module, (nn.Linear, nn.QuantizedLinear, ShardedToAllLinear,
+                                     QuantizedShardedToAllLinear))
         table = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
-        if not (linear or table) or type(module) in _EXACT.values():
+        if not (linear or table) or installed(module):
             continue
         dtype = module.scales.dtype if "scales" in module else module.weight.dtype
         if type(module) in _EXACT and cuda_matmul.fits(module, dtype):

@@ -10,7 +10,12 @@ heads as the rows of one matmul) rounds differently on CUDA: on an H100 with the
 float32 fixtures it agreed with one-at-a-time decoding on 5 of 8 ragged rows over 40
 greedy steps, against 8 of 8 this way (``bench/decode_step.py --check``).
 
-Short prefill passes on CUDA take a kernel of the same design (``prefill_attend``).
+Prefill passes on CUDA take a kernel of the same design (``prefill_attend``): short
+ones always, longer ones where the engine keeps rows exact (``row_exact``), since MLX's
+composed attention multiplies a pass's queries in one matmul, whose kernel follows the
+pass's length (a prompt alone and the same prompt padded into a shared pass would get
+other bits).
+
 ``VLM_SERVE_DECODE_ATTENTION=mlx`` keeps MLX's attention on CUDA too, for both (for
 comparison).
 """
@@ -21,13 +26,15 @@ import os
 
 import mlx.core as mx
 
+from .. import row_exact
 from . import cuda_attention
 
 _USE_KERNELS = os.environ.get("VLM_SERVE_DECODE_ATTENTION", "kernels") != "mlx"
 
 
 # Prefill passes of up to this many queries per prompt take the CUDA kernel: each query
-# reads its keys on its own, which longer passes do more cheaply through MLX's matmuls.
+# reads its keys on its own, which longer passes do more cheaply through MLX's matmuls
+# (where rows need not be exact: ``VLM_SERVE_MATMUL=mlx``).
 # On an H100 (Gemma-3-4B shape, 300-1000 cached keys, 16-64 queries) the kernel's pass
 # launched in 6.6-9.9 ms against 12-14 ms, and finished at most 1.5 ms later.
 PREFILL_KERNEL_MAX_QUERIES = 64
@@ -73,6 +80,6 @@ def prefill_attend(queries: int, scale: float, window: int | None):
     kernel, its attention for layers of ``window``: ``(q (B, heads, L, dim), keys,
     values) -> (B * L, heads * dim)``, causal and within the window as mlx-lm's masks
     are. None where it does not (then the family's own attention runs)."""
-    if not (uses_kernels() and queries <= PREFILL_KERNEL_MAX_QUERIES):
+    if not uses_kernels() or (queries > PREFILL_KERNEL_MAX_QUERIES and not row_exact.applies()):
         return None
     return lambda q, keys, values: cuda_attention.prefill_attention(q, keys, values, scale, window)

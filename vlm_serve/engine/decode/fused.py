@@ -11,12 +11,11 @@ are held once.
 from __future__ import annotations
 
 import copy
-import functools
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import cuda_matmul, row_exact
+from .. import row_exact
 from ..weight_layout import for_matmul
 
 _PARAMS = ("weight", "scales", "biases", "bias")
@@ -27,16 +26,15 @@ class StepLinear:
     to every step's graph; here ``W.T`` is taken once (an evaluated view of the same
     memory, so the matmul and its result are the same). Quantized layers transpose
     inside their kernel already and are called as they are. ``tied`` reads an embedding
-    table as the output layer, as ``Embedding.as_linear`` does. On CUDA, layers the
-    row-exact kernel takes run through it (``cuda_matmul``)."""
+    table as the output layer, as ``Embedding.as_linear`` does. On CUDA a layer on the
+    row-exact matmul (``row_exact``) is called as it is."""
 
     def __init__(self, module: nn.Module, tied: bool = False):
+        self.module = module
         self.call = module.as_linear if tied else module
         self.weight_t = self.bias = None
-        dtype = module.scales.dtype if "scales" in module else module.weight.dtype
-        if row_exact.applies() and cuda_matmul.fits(module, dtype):
-            self.call = functools.partial(cuda_matmul.linear, module=module)
-            return
+        if row_exact.installed(module):
+            return  # its own call is the row-exact kernel
         if isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(
             module, (nn.QuantizedLinear, nn.QuantizedEmbedding)
         ):

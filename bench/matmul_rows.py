@@ -1,0 +1,90 @@
+"""Which row counts give a row the same bits, and what the row-exact matmul costs.
+
+``--classes``: for Gemma-3-4B's weight shapes, ``x @ W.T`` through MLX's matmul (bf16
+and 4-bit) and through ``engine/cuda_matmul.py``, at 1 to 4096 rows; each row count is
+printed with the first row count whose row 0 has the same bits (one class per kernel
+choice). ``--timing``: ms per call of each at decode and prefill row counts (20 calls
+per evaluation, after a warm-up).
+
+    python bench/matmul_rows.py --classes --timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vlm_serve.engine import cuda_matmul
+
+SHAPES = [(2560, 4096), (2048, 2560), (2560, 20480), (10240, 2560), (2560, 262144)]
+CLASS_ROWS = [1, 2, 3, 4, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 512, 1024, 4096]
+
+
+def layer(width: int, out: int, bits: int | None = None) -> nn.Module:
+    linear = nn.Linear(width, out, bias=False)
+    linear.weight = (mx.random.normal((out, width), key=mx.random.key(out)) * 0.05).astype(mx.bfloat16)
+    if bits:
+        linear = nn.QuantizedLinear.from_linear(linear, group_size=64, bits=bits)
+    mx.eval(linear.parameters())
+    return linear
+
+
+def rows(count: int, width: int, seed: int = 1) -> mx.array:
+    return (mx.random.normal((count, width), key=mx.random.key(seed)) * 0.05).astype(mx.bfloat16)
+
+
+def classes(fn, x: mx.array) -> str:
+    seen: list[tuple[int, mx.array]] = []
+    cells = []
+    for m in CLASS_ROWS:
+        first = fn(x[:m])[:1]
+        mx.eval(first)
+        same = next((n for n, r in seen if mx.array_equal(r, first).item()), None)
+        if same is None:
+            seen.append((m, first))
+        cells.append(f"{m}:{same or m}")
+    return " ".join(cells)
+
+
+def per_call_ms(fn, inputs: list[mx.array]) -> float:
+    for _ in range(2):
+        mx.eval([fn(a) for a in inputs])
+    start = time.perf_counter()
+    for _ in range(5):
+        mx.eval([fn(a) for a in inputs])
+    return (time.perf_counter() - start) / (5 * len(inputs)) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--classes", action="store_true")
+    p.add_argument("--timing", action="store_true")
+    args = p.parse_args()
+    if not cuda_matmul.available():
+        raise SystemExit("needs MLX's CUDA backend")
+    if args.classes:
+        for width, out in SHAPES[:4]:
+            x = rows(max(CLASS_ROWS), width)
+            for name, module in (("bf16", layer(width, out)), ("4-bit", layer(width, out, 4))):
+                print(f"MLX {name:5s} {width}x{out}: {classes(module, x)}", flush=True)
+                print(f"exact {name:5s} {width}x{out}: "
+                      f"{classes(lambda v, m=module: cuda_matmul.linear(v, m), x)}", flush=True)
+    if args.timing:
+        for bits in (None, 4):
+            for width, out in SHAPES:
+                module = layer(width, out, bits)
+                for m in (1, 8, 64, 128, 1024):
+                    if out > 100_000 and m > 128:
+                        continue  # the output layer runs on one position per prompt
+                    inputs = [rows(m, width, 7 + i % 5) for i in range(20)]
+                    ours = per_call_ms(lambda v: cuda_matmul.linear(v, module), inputs)
+                    theirs = per_call_ms(module, inputs)
+                    print(f"{'4-bit' if bits else 'bf16'} {width}x{out} rows {m}: MLX {theirs:.3f} ms, "
+                          f"exact {ours:.3f} ms ({ours / theirs:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
