@@ -1,13 +1,18 @@
 """What the parity tests compare with: mlx-vlm's own greedy generation of one prepared
-request alone, and one prompt prefilled alone by the engine."""
+request alone, and one prompt prefilled alone by the engine. On CUDA, where the engine
+computes with kernels of its own (attention, the row-exact matmul) that round otherwise
+than mlx-vlm's, the oracle is the engine itself serving each request alone
+(``EngineAlone``): the promise there is batched against alone on the same engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import mlx.core as mx
 from mlx_vlm.generate import generate_step
 
+from vlm_serve.engine import row_exact
 from vlm_serve.engine.prefill import Prefill
 from vlm_serve.engine.types import PreparedRequest, SamplingParams
 
@@ -35,6 +40,33 @@ def mlx_vlm_greedy(model, prepared, prefill_step_size: int | None, eos=()) -> li
         if tokens[-1] in eos:
             break
     return tokens
+
+
+class EngineAlone:
+    """A second engine on the same model that serves one request at a time."""
+
+    def __init__(self, path: str, prefill_step: int):
+        from vlm_serve.engine.engine import Engine
+        from vlm_serve.engine.scheduler import SchedulerConfig
+
+        self.engine = Engine(path, SchedulerConfig(max_num_seqs=1, prefill_step_size=prefill_step,
+                                                   prefill_token_budget=prefill_step))
+        self.engine.start()
+
+    def __call__(self, prepared) -> list[int]:
+        from test_parity import run_jobs
+
+        alone = dataclasses.replace(prepared, request_id=f"alone-{prepared.request_id}")
+        return run_jobs(self.engine, [(alone, None, None)])[alone.request_id]["tokens"]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def engine_alone_on_cuda(path: str, prefill_step: int) -> EngineAlone | None:
+    """The oracle engine where the engine keeps rows exact with its own kernels (CUDA);
+    None elsewhere (mlx-vlm is the oracle there)."""
+    return EngineAlone(path, prefill_step) if row_exact.applies() else None
 
 
 def prefilled_alone(model, family, request_id: str, ids) -> Prefill:
@@ -80,6 +112,12 @@ class FullLengthHarness:
         self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8,
                                  loaded.chat_template)
         self.oracle_model, _ = vlm_load(path)
+        self.alone = engine_alone_on_cuda(path, prefill_step)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self.alone is not None:
+            self.alone.shutdown()
 
     def prepare(self, rid: str, text: str, images=(), max_tokens: int = 40, chat: bool = True):
         """``chat`` off: ``text`` is the whole prompt; on: a user turn in the chat template."""
@@ -93,4 +131,6 @@ class FullLengthHarness:
         return prepare_prompt(self.ctx, rid, prompt, params, list(images))
 
     def oracle(self, prepared) -> list[int]:
+        if self.alone is not None:
+            return self.alone(prepared)
         return mlx_vlm_greedy(self.oracle_model, prepared, self.prefill_step)

@@ -26,7 +26,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat, tokenize
 
 from conftest import make_image
-from oracle import assert_each_matches_alone, mlx_vlm_greedy
+from oracle import assert_each_matches_alone, engine_alone_on_cuda, mlx_vlm_greedy
 from test_parity import LONG_TEXT, run_held, run_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:At least one mel filter:UserWarning")
@@ -62,6 +62,12 @@ class FamilyHarness:
         self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8,
                                  loaded.chat_template)
         self.oracle_model, _ = vlm_load(path)
+        self.alone = engine_alone_on_cuda(path, PREFILL_STEP)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self.alone is not None:
+            self.alone.shutdown()
 
     def prepare(self, rid: str, text: str, images=(), max_tokens: int = 8, lead: str = ""):
         """A user turn: ``lead`` text, then the images, then ``text``."""
@@ -73,6 +79,8 @@ class FamilyHarness:
         return prepare_prompt(self.ctx, rid, prompt, params, list(images))
 
     def oracle(self, prepared) -> list[int]:
+        if self.alone is not None:
+            return self.alone(prepared)
         step = None if self.arch in WHOLE_PROMPT_ORACLE else PREFILL_STEP
         return mlx_vlm_greedy(self.oracle_model, prepared, step, self.eos)
 
@@ -81,7 +89,7 @@ class FamilyHarness:
 def family(request):
     h = FamilyHarness(*request.param)
     yield h
-    h.engine.shutdown()
+    h.shutdown()
 
 
 def _requests(h: FamilyHarness):

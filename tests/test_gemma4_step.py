@@ -86,7 +86,7 @@ def harness(request, k_eq_v_path):
     h = FullLengthHarness(str(path), PREFILL_STEP)  # every row runs across the window's wrap
     h.variant = request.param
     yield h
-    h.engine.shutdown()
+    h.shutdown()
 
 
 def test_gemma4_decodes_through_its_own_step_on_the_kv_owning_layers(harness):

@@ -55,7 +55,7 @@ class Harness(FamilyHarness):
 def harness(request):
     h = Harness(request.param)
     yield h
-    h.engine.shutdown()
+    h.shutdown()
 
 
 def test_glm4v_decodes_through_its_own_step(harness):

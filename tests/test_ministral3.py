@@ -42,14 +42,14 @@ def harness(request):
     # Every row runs its full length: the threshold crossings are the point.
     h = FullLengthHarness(str(cached_model("mistral3", preset=PRESET, bits=request.param)), PREFILL_STEP)
     yield h
-    h.engine.shutdown()
+    h.shutdown()
 
 
 @pytest.fixture(scope="module", params=[None, 4], ids=["f32", "q4"])
 def family(request):
     h = FamilyHarness("mistral3", request.param, preset=PRESET)
     yield h
-    h.engine.shutdown()
+    h.shutdown()
 
 
 def test_fixture_is_ministral3_with_windows_and_a_small_threshold(harness):

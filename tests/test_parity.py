@@ -21,7 +21,6 @@ import pytest
 from mlx_vlm import load as vlm_load
 from mlx_vlm import stream_generate
 
-from vlm_serve.engine import row_exact
 from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.scheduler import SchedulerConfig
 from vlm_serve.engine.types import FinishReason, SamplingParams
@@ -29,6 +28,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
 from conftest import ARCHS, make_image
+from oracle import engine_alone_on_cuda
 
 PREFILL_STEP = 32  # small, so long prompts are prefilled in several interleaved chunks
 
@@ -65,11 +65,7 @@ class Harness:
         self.ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
         self.oracle_model, self.oracle_processor = vlm_load(path)
         self._oracle_cache: dict = {}
-        self.alone = None  # on CUDA: the engine that serves the oracle's requests one at a time
-        if row_exact.applies():
-            self.alone = Engine(path, SchedulerConfig(max_num_seqs=1, prefill_step_size=PREFILL_STEP,
-                                                      prefill_token_budget=PREFILL_STEP))
-            self.alone.start()
+        self.alone = engine_alone_on_cuda(path, PREFILL_STEP)
 
     def prepare(self, case: Case, rid: str, **sampling):
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, stop=case.stop, **sampling)
@@ -78,8 +74,7 @@ class Harness:
     def oracle(self, case: Case) -> list[int]:
         key = (case.name, case.max_tokens)
         if key not in self._oracle_cache and self.alone is not None:
-            prepared = self.prepare(case, f"alone-{case.name}")
-            self._oracle_cache[key] = run_jobs(self.alone, [(prepared, None, None)])[prepared.request_id]["tokens"]
+            self._oracle_cache[key] = self.alone(self.prepare(case, case.name))
         if key not in self._oracle_cache:
             final = None
             for result in stream_generate(

@@ -56,16 +56,18 @@ class _ExactQuantizedEmbedding(nn.QuantizedEmbedding):
         return cuda_matmul.linear(x, self)
 
 
+def _sharded_to_all(self, x):
+    """A row-sharded layer's partial product on the kernel, then the group's sum."""
+    x = mx.distributed.all_sum(cuda_matmul.linear(x, self), group=self.group)
+    return x + self["bias"] if "bias" in self else x
+
+
 class _ExactShardedToAllLinear(ShardedToAllLinear):
-    def __call__(self, x):
-        x = mx.distributed.all_sum(cuda_matmul.linear(x, self), group=self.group)
-        return x + self["bias"] if "bias" in self else x
+    __call__ = _sharded_to_all
 
 
 class _ExactQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
-    def __call__(self, x):
-        x = mx.distributed.all_sum(cuda_matmul.linear(x, self), group=self.group)
-        return x + self["bias"] if "bias" in self else x
+    __call__ = _sharded_to_all
 
 
 _EXACT = {

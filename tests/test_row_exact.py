@@ -1,0 +1,56 @@
+"""Which layers ``row_exact`` puts on the row-exact matmul at load, and what a model
+gets when one cannot take it. The kernel itself runs only on CUDA
+(``tests/test_cuda_matmul.py``); here, with no GPU, ``cuda_matmul.available`` is
+patched to say CUDA so that the choices made at load can be checked on the real tiny
+models. Nothing here calls the kernel."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+import pytest
+from mlx_vlm import load
+
+from vlm_serve.engine import cuda_matmul, row_exact
+from vlm_serve.engine.decode.fused import StepLinear
+from vlm_serve.engine.families import SerialFamily, family_for
+
+
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    monkeypatch.setattr(cuda_matmul, "available", lambda: True)
+    monkeypatch.setattr(row_exact, "_USE_KERNEL", True)
+
+
+def _kinds(module: nn.Module) -> set[str]:
+    return {type(m).__name__ for _, m in module.named_modules()}
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_5_vl", "gemma4"])
+def test_every_linear_layer_of_the_language_model_takes_the_kernel(as_if_cuda, model_path, arch):
+    model, _ = load(str(model_path(arch)))
+    family = family_for(model)
+    assert family.batched and not family.batch_vision  # images: a tower call per request
+    kinds = _kinds(model.language_model)
+    assert "Linear" not in kinds and "_ExactLinear" in kinds
+    assert "Linear" in _kinds(model.vision_tower)  # the tower keeps MLX's matmul
+    decoder = family.decoder()
+    if decoder is not None:
+        head = decoder.head
+        assert head.weight_t is None and row_exact.installed(head.module)
+
+
+def test_a_layer_the_kernel_cannot_take_serves_one_row_at_a_time(as_if_cuda, model_path):
+    model, _ = load(str(model_path("gemma3")))
+    mlp = model.language_model.model.layers[0].mlp
+    mlp.down_proj = nn.QuantizedLinear.from_linear(mlp.down_proj, group_size=32, bits=3)
+    family = family_for(model)
+    assert isinstance(family, SerialFamily) and not family.batched
+    assert "model.layers.0.mlp.down_proj" in family.reason and "CUDA" in family.reason
+
+
+def test_elsewhere_nothing_changes(model_path):
+    model, _ = load(str(model_path("gemma3")))
+    family = family_for(model)
+    assert family.batch_vision and "_ExactLinear" not in _kinds(model)
+    linear = model.language_model.model.layers[0].self_attn.o_proj
+    assert StepLinear(linear).weight_t is not None
