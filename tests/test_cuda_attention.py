@@ -96,6 +96,9 @@ def _prefill_reference(q, keys, values, scale, window):
     (300, 16, 32),  # a sliding window far behind
     (1100, 48, 1024),  # a window that just filled
     (40, 1, None),  # one query
+    # Long passes take the kernel too where the engine keeps rows exact (row_exact):
+    (512, 512, None),  # a long first pass
+    (427, 300, 128),  # a pass longer than its window (127 cached keys kept, 300 new)
 ])
 def test_prefill_matches_mlx_attention(heads, kv_heads, dim, dtype, columns, length, window):
     rng = np.random.default_rng(columns + length)

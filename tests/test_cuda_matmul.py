@@ -89,6 +89,15 @@ def test_a_tied_output_layer_and_leading_axes():
                                np.array(table.as_linear(x).astype(mx.float32)), atol=3e-2, rtol=3e-2)
 
 
+def test_inputs_of_another_dtype_are_rounded_to_the_layers():
+    layer = _layer(256, 64, mx.bfloat16, True)
+    x = _rows(9, 256, mx.float32)
+    out = cuda_matmul.linear(x, layer)
+    assert out.dtype == mx.float32  # as MLX's matmul promotes
+    assert mx.array_equal(out, cuda_matmul.linear(x.astype(mx.bfloat16), layer).astype(mx.float32)).item()
+    _assert_row_exact(layer, x)
+
+
 def test_what_the_kernel_cannot_take():
     layer = _layer(256, 64, mx.bfloat16, False)
     assert not cuda_matmul.fits(layer, mx.float16)  # inputs of another dtype
@@ -102,3 +111,39 @@ def test_installed_on_a_model_and_its_images_get_tower_calls_of_their_own(model_
     assert row_exact.install(model.language_model) == []  # all already installed
     kinds = {type(m).__name__ for _, m in model.language_model.named_modules()}
     assert "Linear" not in kinds and "_ExactLinear" in kinds
+
+
+def test_long_prompts_in_shared_passes_get_their_tokens_alone(model_path):
+    """Prompts of a few hundred tokens, prefilled in passes longer than the short ones
+    that always took the engine's attention kernel, submitted together (shared and
+    padded passes) and each on an engine that serves one request at a time."""
+    from oracle import EngineAlone
+    from test_parity import LONG_TEXT, run_held
+
+    from vlm_serve.engine.engine import Engine
+    from vlm_serve.engine.scheduler import SchedulerConfig
+    from vlm_serve.engine.types import SamplingParams
+    from vlm_serve.preprocess.media import MediaPolicy
+    from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+    path = str(model_path("gemma3"))
+    engine, alone = Engine(path, SchedulerConfig(max_num_seqs=8)), EngineAlone(path, 512)
+    engine.start()
+    try:
+        loaded = engine.loaded
+        ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
+
+        def prepare(rid: str, text: str, max_tokens: int = 12):
+            prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "text", "text": text}]}])
+            return prepare_prompt(ctx, rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+        texts = [LONG_TEXT, LONG_TEXT[:700], LONG_TEXT + LONG_TEXT[:500], LONG_TEXT[:300]]
+        jobs = [(prepare(f"long-{i}", text), None, None) for i, text in enumerate(texts)]
+        assert max(len(p.input_ids) for p, _, _ in jobs) > 300
+        results = run_held(engine, prepare("hold", "Hi!", 3), jobs)
+        for prepared, _, _ in jobs:
+            got = results[prepared.request_id]
+            assert got["error"] is None and got["tokens"] == alone(prepared), prepared.request_id
+    finally:
+        engine.shutdown()
+        alone.shutdown()

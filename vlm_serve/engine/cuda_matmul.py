@@ -8,14 +8,16 @@ up), and a batched request drifts from the tokens it gets alone.
 
 This kernel adds every dot product's terms in one fixed order whatever the row count:
 
-- one block per 32 output columns and per 128 rows, four warps (eight for long rows);
-- the input dimension in chunks of 64; warp ``w`` takes chunks ``w, w + 4, ...`` in
-  ascending order (``w, w + 8, ...`` with eight), each as four tensor-core multiply-adds (bfloat16 or float16 in,
-  float32 sums; lane ``t`` of a quad reads 16 consecutive elements of its row and of
-  the weight's row with two 16-byte loads, and feeds them to the four instructions in a
-  fixed arrangement, the same for both operands), then any remainder of the input
-  dimension in steps of 16 on warp 0;
-- the warps' sums are added in a fixed tree, plus the bias, then rounded.
+- one block per 32 output columns and per 128 rows, with four warps (eight where the
+  input dimension is 4,096 or more);
+- the input dimension in chunks of 64: warp ``w`` of ``W`` takes chunks ``w, w + W,
+  ...`` in ascending order, each as four tensor-core multiply-adds (bfloat16 or float16
+  in, float32 sums). Lane ``t`` of a quad reads 16 consecutive elements of its row and
+  of the weight's row (16-byte loads; 4/8-bit weights are unpacked in registers) and
+  feeds them to the four instructions in a fixed arrangement, the same for both
+  operands. The next chunk's weights load while the tensor cores take this one's. Any
+  remainder of the input dimension runs in steps of 16 on warp 0;
+- the warps' sums meet in a fixed tree, then the bias is added and the sum rounded.
 
 A row's sums never meet another row's, and the blocks, chunks and warps a row passes
 through depend only on the shapes of the weight: a row batched and alone get the same
@@ -284,11 +286,17 @@ def _kernel(has_bias: bool, kind: str):
 
 def linear(x: mx.array, module: nn.Module) -> mx.array:
     """``module(x)`` for a linear layer (an embedding table: ``module.as_linear(x)``),
-    each row's bits independent of the other rows (where ``fits``)."""
+    each row's bits independent of the other rows (where ``fits``). Inputs of another
+    dtype than the layer's are rounded to it (the kernel multiplies one dtype), and the
+    result is given in the dtype MLX's matmul would give."""
+    quantized = _quantized(module)
+    dtype = module.scales.dtype if quantized else module.weight.dtype
+    if x.dtype != dtype:
+        promoted = (mx.zeros((0,), x.dtype) + mx.zeros((0,), dtype)).dtype  # MLX's rule
+        return linear(x.astype(dtype), module).astype(promoted)
     *lead, width = x.shape
     rows = x.reshape(-1, width)
     m = rows.shape[0]
-    quantized = _quantized(module)
     n = module.weight.shape[0]
     inputs = [rows, module.weight]
     template = [("K", width), ("N", n)]

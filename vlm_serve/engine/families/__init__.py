@@ -79,6 +79,8 @@ def _row_exact(family: Family, vision_cache_size: int, vision_cache_bytes: int) 
             reason=f"on CUDA, no row-exact matmul for {shown}",
         )
     family.batch_vision = False
+    log.info("CUDA: the language model's linear layers run on the row-exact matmul; each "
+             "request's images get a vision-tower call of their own")
     return family
 
 
