@@ -15,9 +15,8 @@ kernel by the number of rows (``cuda_matmul``). So on CUDA, once at load:
   layer class of its own) is served one row at a time, and says so.
 
 A tensor-parallel rank's row-sharded layers (``ShardedToAllLinear``) take the kernel
-for their own partial product; the group's sum is NCCL's. Two ranks' sum is exact
-(``a + b == b + a``); with more, NCCL may order the sum by message size, which this
-does not control.
+for their own partial product, then sum the group's in an order that does not follow
+the row count (``_group_sum``).
 
 ``VLM_SERVE_MATMUL=mlx`` keeps MLX's matmul on CUDA, for comparison only: batched rows
 then drift from their tokens alone.
@@ -56,9 +55,22 @@ class _ExactQuantizedEmbedding(nn.QuantizedEmbedding):
         return cuda_matmul.linear(x, self)
 
 
+def _group_sum(x: mx.array, group) -> mx.array:
+    """The group's sum of each rank's ``x``. Two ranks' all-reduce is exact (``a + b ==
+    b + a``); with more, NCCL's all-reduce may order each sum by message size, so the
+    ranks' parts are gathered and added in rank order."""
+    if group.size() <= 2:
+        return mx.distributed.all_sum(x, group=group)
+    parts = mx.distributed.all_gather(x[None], group=group)  # (ranks, ...)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def _sharded_to_all(self, x):
     """A row-sharded layer's partial product on the kernel, then the group's sum."""
-    x = mx.distributed.all_sum(cuda_matmul.linear(x, self), group=self.group)
+    x = _group_sum(cuda_matmul.linear(x, self), self.group)
     return x + self["bias"] if "bias" in self else x
 
 
