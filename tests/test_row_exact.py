@@ -48,6 +48,19 @@ def test_a_layer_the_kernel_cannot_take_serves_one_row_at_a_time(as_if_cuda, mod
     assert "model.layers.0.mlp.down_proj" in family.reason and "CUDA" in family.reason
 
 
+def test_a_model_without_an_engine_decode_step_serves_one_row_at_a_time(as_if_cuda, model_path,
+                                                                       monkeypatch):
+    """The model code's batched decode attends over left-padded caches with MLX's
+    attention, whose sums follow the padded length: on CUDA only the engine's own step
+    batches (a mixture-of-experts Gemma 4 has none, for one)."""
+    from vlm_serve.engine.families.gemma import Gemma3
+
+    monkeypatch.setattr(Gemma3, "decoder_class", None)
+    model, _ = load(str(model_path("gemma3")))
+    family = family_for(model)
+    assert isinstance(family, SerialFamily) and "decode step" in family.reason
+
+
 def test_elsewhere_nothing_changes(model_path):
     model, _ = load(str(model_path("gemma3")))
     family = family_for(model)

@@ -112,13 +112,16 @@ def install(language_model: nn.Module) -> list[str]:
     tied = not any(name.split(".")[-1] == "lm_head" for name in modules)
     left = []
     for name, module in modules.items():
-        linear = isinstance(module, (nn.Linear, nn.QuantizedLinear, ShardedToAllLinear,
-                                     QuantizedShardedToAllLinear))
+        # Mixture-of-experts layers (mlx-lm's SwitchLinear) multiply through MLX's
+        # gathered matmuls, which the kernel does not replace.
+        experts = "SwitchLinear" in type(module).__name__
+        linear = experts or isinstance(module, (nn.Linear, nn.QuantizedLinear, ShardedToAllLinear,
+                                                QuantizedShardedToAllLinear))
         table = isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
         if not (linear or table) or installed(module):
             continue
         dtype = module.scales.dtype if "scales" in module else module.weight.dtype
-        if type(module) in _EXACT and cuda_matmul.fits(module, dtype):
+        if not experts and type(module) in _EXACT and cuda_matmul.fits(module, dtype):
             module.__class__ = _EXACT[type(module)]
         elif linear or tied:
             left.append(name or type(module).__name__)

@@ -4,8 +4,8 @@ A model type is batched only once its family has passed the parity suite (batche
 tokens equal mlx-vlm's single-request tokens). Any other model type is served one row
 at a time, which is correct by construction, and the server says so at startup. On
 CUDA a batched family also needs every linear layer of its language model on the
-row-exact matmul (``row_exact``); a model with one the kernel cannot take is served one
-row at a time too.
+row-exact matmul (``row_exact``) and the engine's own decode step; a model without
+either is served one row at a time too.
 """
 
 from __future__ import annotations
@@ -70,14 +70,18 @@ def family_for(
 
 def _row_exact(family: Family, vision_cache_size: int, vision_cache_bytes: int) -> Family:
     """``family`` with the row-exact matmul installed, its requests' images each in a
-    tower call of their own; or one row at a time where a layer cannot take it."""
+    tower call of their own; or one row at a time where a layer cannot take it, or
+    where the model has no engine decode step (the model code's batched decode attends
+    over left-padded caches with MLX's attention, whose sums follow the padded length)."""
     left = row_exact.install(family.model.language_model)
+    reason = None
     if left:
         shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
-        return SerialFamily(
-            family.model, vision_cache_size, vision_cache_bytes,
-            reason=f"on CUDA, no row-exact matmul for {shown}",
-        )
+        reason = f"on CUDA, no row-exact matmul for {shown}"
+    elif family.decoder() is None:
+        reason = "on CUDA, rows batch exactly only on the engine's own decode step, which this model has not"
+    if reason:
+        return SerialFamily(family.model, vision_cache_size, vision_cache_bytes, reason=reason)
     family.batch_vision = False
     log.info("CUDA: the language model's linear layers run on the row-exact matmul; each "
              "request's images get a vision-tower call of their own")
