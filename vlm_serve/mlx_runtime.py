@@ -30,3 +30,12 @@ DEFAULTS = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_USE_CUDA_GRAPHS": "0"}
 def apply_defaults() -> None:
     for name, value in DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+def cuda_available() -> bool:
+    """Whether MLX's default device is a CUDA GPU (the engine's own CUDA kernels run
+    there). MLX is imported here, on first call, not when this module loads."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)  # not every MLX build has the module
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()

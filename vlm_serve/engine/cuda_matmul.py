@@ -32,6 +32,8 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..mlx_runtime import cuda_available as available  # where this kernel runs
+
 # Warps per block, each taking every WARPS-th chunk of the input dimension: more where
 # the input dimension is long (an MLP's down projection), so that its few blocks keep
 # enough loads in flight. It follows from the weight's shape alone.
@@ -236,12 +238,6 @@ _LOAD_QUANTIZED = """
         }
         for (int e = 0; e < 8; ++e) b[f][e] = *reinterpret_cast<unsigned*>(&v[2 * e]);
 """
-
-
-def available() -> bool:
-    """Whether the default device runs this kernel (MLX's CUDA backend)."""
-    cuda = getattr(mx, "cuda", None)  # not every MLX build has the module
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def _quantized(module) -> bool:

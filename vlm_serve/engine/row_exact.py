@@ -35,24 +35,26 @@ from . import cuda_matmul
 _USE_KERNEL = os.environ.get("VLM_SERVE_MATMUL", "exact") != "mlx"
 
 
+def _on_kernel(self, x):
+    """The layer's product through the row-exact kernel (its call, or a table's
+    ``as_linear``)."""
+    return cuda_matmul.linear(x, self)
+
+
 class _ExactLinear(nn.Linear):
-    def __call__(self, x):
-        return cuda_matmul.linear(x, self)
+    __call__ = _on_kernel
 
 
 class _ExactQuantizedLinear(nn.QuantizedLinear):
-    def __call__(self, x):
-        return cuda_matmul.linear(x, self)
+    __call__ = _on_kernel
 
 
 class _ExactEmbedding(nn.Embedding):
-    def as_linear(self, x):
-        return cuda_matmul.linear(x, self)
+    as_linear = _on_kernel
 
 
 class _ExactQuantizedEmbedding(nn.QuantizedEmbedding):
-    def as_linear(self, x):
-        return cuda_matmul.linear(x, self)
+    as_linear = _on_kernel
 
 
 def _group_sum(x: mx.array, group) -> mx.array:

@@ -38,6 +38,8 @@ import functools
 
 import mlx.core as mx
 
+from ...mlx_runtime import cuda_available as available  # where these kernels run
+
 CHUNK = 256  # columns per block of pass 1
 WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
 # At most this many floats of query heads per block (QG * head dim): each head keeps its
@@ -227,12 +229,6 @@ _COMBINE = """
     out[((size_t)row * heads + head) * D + d] = static_cast<T>(acc / sum);
   }
 """
-
-
-def available() -> bool:
-    """Whether the default device runs these kernels (MLX's CUDA backend)."""
-    cuda = getattr(mx, "cuda", None)  # not every MLX build has the module
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 @functools.cache
