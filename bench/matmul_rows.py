@@ -4,9 +4,11 @@
 and 4-bit) and through ``engine/cuda_matmul.py``, at 1 to 4096 rows; each row count is
 printed with the first row count whose row 0 has the same bits (one class per kernel
 choice). ``--timing``: ms per call of each at decode and prefill row counts (20 calls
-per evaluation, after a warm-up).
+per evaluation, after a warm-up). ``--layouts``: the same per call for each choice of
+column tiles and warps per block (``cuda_matmul.layout``), with whether its bits equal
+the default layout's.
 
-    python bench/matmul_rows.py --classes --timing
+    python bench/matmul_rows.py --classes --timing --layouts
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--classes", action="store_true")
     p.add_argument("--timing", action="store_true")
+    p.add_argument("--layouts", action="store_true")
     args = p.parse_args()
     if not cuda_matmul.available():
         raise SystemExit("needs MLX's CUDA backend")
@@ -84,6 +87,32 @@ def main() -> None:
                     theirs = per_call_ms(module, inputs)
                     print(f"{'4-bit' if bits else 'bf16'} {width}x{out} rows {m}: MLX {theirs:.3f} ms, "
                           f"exact {ours:.3f} ms ({ours / theirs:.2f}x)", flush=True)
+
+    if args.layouts:
+        layouts()
+
+
+def layouts() -> None:
+    default = cuda_matmul.layout
+    for bits in (None, 4):
+        for width, out in SHAPES[:4]:
+            module = layer(width, out, bits)
+            for m in (1, 8, 64, 128, 1024):
+                inputs = [rows(m, width, 7 + i % 5) for i in range(20)]
+                cuda_matmul.layout = default
+                reference = cuda_matmul.linear(inputs[0], module)
+                mlx_ms = per_call_ms(module, inputs)
+                cells = []
+                for column_tiles in (1, 2, 4):
+                    for warps in (4, 8, 16):
+                        tiles = default(m, width)[0]
+                        cuda_matmul.layout = lambda *_: (tiles, column_tiles, warps)
+                        ms = per_call_ms(lambda v: cuda_matmul.linear(v, module), inputs)
+                        same = mx.array_equal(cuda_matmul.linear(inputs[0], module), reference).item()
+                        cells.append(f"ft{column_tiles}/w{warps} {ms / mlx_ms:.2f}x{'' if same else '*'}")
+                cuda_matmul.layout = default
+                print(f"{'4-bit' if bits else 'bf16'} {width}x{out} rows {m} (MLX {mlx_ms:.3f} ms): "
+                      + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

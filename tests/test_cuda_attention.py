@@ -122,3 +122,62 @@ def test_a_prompt_in_a_shared_pass_equals_it_alone(dtype):
     for i in range(3):
         alone = cuda_attention.prefill_attention(q[i:i + 1], keys[i:i + 1], values[i:i + 1], 1 / 16)
         assert np.array_equal(np.array(alone.astype(mx.float32)), together[32 * i:32 * (i + 1)]), f"prompt {i}"
+
+
+def _visible(rng, prompts, length, columns):
+    """Random boolean masks (prompts, L, columns), each query seeing its own column."""
+    mask = rng.random((prompts, length, columns)) < 0.6
+    mask[:, np.arange(length), columns - length + np.arange(length)] = True
+    return mx.array(mask)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("columns, length", [(64, 64), (700, 40), (300, 1)])
+def test_masked_prefill_matches_mlx_attention(dtype, columns, length):
+    rng = np.random.default_rng(columns)
+    q, keys, values = _pass(rng, 2, 8, 2, 128, columns, length, dtype)
+    mask = _visible(rng, 2, length, columns)
+    ours = cuda_attention.prefill_attention(q, keys, values, 0.1, causal=False, mask=mask)
+    with mx.stream(mx.cpu):
+        theirs = cuda_attention.reference_prefill_attention(q, keys, values, 0.1, causal=False, mask=mask)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(
+        np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_query_gets_the_same_bits_however_its_keys_are_given(window):
+    """A causal count, a window, or the same columns as a mask (mlx-vlm gives each,
+    depending on the pass): one arithmetic."""
+    rng = np.random.default_rng(2)
+    columns, length = 520, 300
+    q, keys, values = _pass(rng, 1, 8, 4, 256, columns, length, mx.bfloat16)
+    own = np.arange(columns - length, columns)[:, None]
+    mask = np.arange(columns)[None, :] <= own
+    if window:
+        mask &= np.arange(columns)[None, :] > own - window
+    counted = cuda_attention.prefill_attention(q, keys, values, 1 / 16, window)
+    masked = cuda_attention.prefill_attention(q, keys, values, 1 / 16, causal=False,
+                                              mask=mx.array(mask[None]))
+    assert np.array_equal(np.array(counted.astype(mx.float32)), np.array(masked.astype(mx.float32)))
+
+
+def test_a_masked_prompt_in_a_shared_padded_pass_equals_it_alone():
+    """Prompts padded to one pass with masks of their own (padding rows see nothing)."""
+    rng = np.random.default_rng(3)
+    lengths, columns = [40, 17, 33], 40
+    q, keys, values = _pass(rng, 3, 8, 4, 128, columns, columns, mx.bfloat16)
+    mask = np.asarray(_visible(rng, 3, columns, columns))
+    for i, n in enumerate(lengths):
+        mask[i, n:] = False  # padding queries
+        mask[i, :, n:] = False  # padding keys
+    together = np.array(cuda_attention.prefill_attention(
+        q, keys, values, 1 / 16, causal=False, mask=mx.array(mask)).astype(mx.float32))
+    assert np.all(np.isfinite(together))
+    for i, n in enumerate(lengths):
+        alone = cuda_attention.prefill_attention(
+            q[i:i + 1, :, :n], keys[i:i + 1, :, :n], values[i:i + 1, :, :n], 1 / 16, causal=False,
+            mask=mx.array(mask[i:i + 1, :n, :n]))
+        assert np.array_equal(np.array(alone.astype(mx.float32)),
+                              together[columns * i:columns * i + n]), f"prompt {i}"

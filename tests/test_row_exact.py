@@ -6,11 +6,13 @@ models. Nothing here calls the kernel."""
 
 from __future__ import annotations
 
+import sys
+
 import mlx.nn as nn
 import pytest
 from mlx_vlm import load
 
-from vlm_serve.engine import cuda_matmul, row_exact
+from vlm_serve.engine import cuda_matmul, model_attention, row_exact
 from vlm_serve.engine.decode.fused import StepLinear
 from vlm_serve.engine.families import SerialFamily, family_for
 
@@ -19,6 +21,11 @@ from vlm_serve.engine.families import SerialFamily, family_for
 def as_if_cuda(monkeypatch):
     monkeypatch.setattr(cuda_matmul, "available", lambda: True)
     monkeypatch.setattr(row_exact, "_USE_KERNEL", True)
+    routed = []  # the model code's attention, routed at install: undone after the test
+    route = model_attention.route
+    monkeypatch.setattr(model_attention, "route", lambda lm: routed.extend(route(lm)) or routed)
+    yield
+    model_attention.unroute(routed)
 
 
 def _kinds(module: nn.Module) -> set[str]:
@@ -33,6 +40,9 @@ def test_every_linear_layer_of_the_language_model_takes_the_kernel(as_if_cuda, m
     kinds = _kinds(model.language_model)
     assert "Linear" not in kinds and "_ExactLinear" in kinds
     assert "Linear" in _kinds(model.vision_tower)  # the tower keeps MLX's matmul
+    # The model code's attention (the prefill of every family but Gemma 3) on the kernel.
+    module = sys.modules[type(model.language_model).__module__]
+    assert getattr(module, model_attention.NAME).routed_from is not None
     decoder = family.decoder()
     if decoder is not None:
         head = decoder.head
@@ -65,5 +75,7 @@ def test_elsewhere_nothing_changes(model_path):
     model, _ = load(str(model_path("gemma3")))
     family = family_for(model)
     assert family.batch_vision and "_ExactLinear" not in _kinds(model)
+    module = sys.modules[type(model.language_model).__module__]
+    assert not hasattr(getattr(module, model_attention.NAME), "routed_from")
     linear = model.language_model.model.layers[0].self_attn.o_proj
     assert StepLinear(linear).weight_t is not None

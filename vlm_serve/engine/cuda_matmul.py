@@ -44,8 +44,15 @@ def warps_for(width: int) -> int:
     return 8 if width >= LONG_INPUT else 4
 
 
-COLUMNS = 32  # output columns per block: four tensor-core tiles of 8
 ROW_TILES = (1, 2, 4, 8)  # tiles of 16 rows a block may take: up to 128 rows
+
+
+def layout(rows: int, width: int) -> tuple[int, int, int]:
+    """(tiles of 16 rows, tiles of 8 output columns, warps) per block for ``rows`` rows
+    of ``width`` inputs. Only the warps change a row's bits, and they follow the
+    weight's shape alone; the tiles spread the work over the card."""
+    tiles = next((t for t in ROW_TILES if rows <= t * 16), ROW_TILES[-1])
+    return tiles, 4, warps_for(width)
 
 _HEADER = """
 // One m16n8k16 tensor-core multiply-add into float32 sums; the last argument picks the
@@ -87,11 +94,11 @@ _SOURCE = """
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   const int M = x_shape[0];
-  const int n0 = blockIdx.x * 32;
+  const int n0 = blockIdx.x * (FT * 8);
   const int m0 = blockIdx.y * (TILES * 16);
-  float acc[TILES][4][4];
+  float acc[TILES][FT][4];
   for (int i = 0; i < TILES; ++i)
-    for (int f = 0; f < 4; ++f)
+    for (int f = 0; f < FT; ++f)
       for (int e = 0; e < 4; ++e) acc[i][f][e] = 0.0f;
 
   constexpr int CHUNKS = (K % 8) == 0 ? K / 64 : 0;  // 16-byte loads need rows of 8
@@ -99,7 +106,7 @@ _SOURCE = """
   // while the tensor cores take this one's.
   auto load_weights = [&](unsigned (*b)[8], int c) {
     const int k = c * 64 + 16 * t;
-    for (int f = 0; f < 4; ++f) {
+    for (int f = 0; f < FT; ++f) {
       const int n = n0 + f * 8 + g;
       if (n < N) {
         LOAD_WEIGHTS
@@ -108,7 +115,7 @@ _SOURCE = """
       }
     }
   };
-  unsigned b[4][8], next[4][8];
+  unsigned b[FT][8], next[FT][8];
   if (warp < CHUNKS) load_weights(b, warp);
   for (int c = warp; c < CHUNKS; c += WARPS) {
     const int k = c * 64 + 16 * t;
@@ -132,25 +139,25 @@ _SOURCE = """
       }
       for (int j = 0; j < 4; ++j) {
         const unsigned a[4] = {a0[2 * j], a1[2 * j], a0[2 * j + 1], a1[2 * j + 1]};
-        for (int f = 0; f < 4; ++f) mma16816(acc[i][f], a, b[f][2 * j], b[f][2 * j + 1], T());
+        for (int f = 0; f < FT; ++f) mma16816(acc[i][f], a, b[f][2 * j], b[f][2 * j + 1], T());
       }
     }
-    for (int f = 0; f < 4; ++f)
+    for (int f = 0; f < FT; ++f)
       for (int e = 0; e < 8; ++e) b[f][e] = next[f][e];
   }
   TAIL
   // The warps' sums meet in halves, a tile at a time, in a fixed order: with four
   // warps, (0 + 2) + (1 + 3).
-  __shared__ float partial[WARPS / 2][4][4][32];
+  __shared__ float partial[WARPS / 2][FT][4][32];
   for (int i = 0; i < TILES; ++i) {
     for (int half = WARPS / 2; half >= 1; half /= 2) {
       if (warp >= half && warp < 2 * half) {
-        for (int f = 0; f < 4; ++f)
+        for (int f = 0; f < FT; ++f)
           for (int e = 0; e < 4; ++e) partial[warp - half][f][e][lane] = acc[i][f][e];
       }
       __syncthreads();
       if (warp < half) {
-        for (int f = 0; f < 4; ++f)
+        for (int f = 0; f < FT; ++f)
           for (int e = 0; e < 4; ++e) acc[i][f][e] += partial[warp][f][e][lane];
       }
       __syncthreads();
@@ -158,7 +165,7 @@ _SOURCE = """
   }
   if (warp != 0) return;
   for (int i = 0; i < TILES; ++i) {
-    for (int f = 0; f < 4; ++f) {
+    for (int f = 0; f < FT; ++f) {
       const int n = n0 + f * 8 + 2 * t;
       for (int e = 0; e < 4; ++e) {
         float s = acc[i][f][e];
@@ -177,8 +184,8 @@ _TAIL = """
   // The rest of the input dimension, in the instruction's own arrangement, on warp 0.
   if (warp == 0) {
     for (int k = CHUNKS * 64; k < K; k += 16) {
-      unsigned b[4][2];
-      for (int f = 0; f < 4; ++f) {
+      unsigned b[FT][2];
+      for (int f = 0; f < FT; ++f) {
         const int n = n0 + f * 8 + g;
         const T* row = w + (size_t)n * K;
         b[f][0] = pair<T>(row, k + 2 * t, K, n < N);
@@ -190,7 +197,7 @@ _TAIL = """
         const T* x1 = x + (size_t)r1 * K;
         const unsigned a[4] = {pair<T>(x0, k + 2 * t, K, r0 < M), pair<T>(x1, k + 2 * t, K, r1 < M),
                                pair<T>(x0, k + 2 * t + 8, K, r0 < M), pair<T>(x1, k + 2 * t + 8, K, r1 < M)};
-        for (int f = 0; f < 4; ++f) mma16816(acc[i][f], a, b[f][0], b[f][1], T());
+        for (int f = 0; f < FT; ++f) mma16816(acc[i][f], a, b[f][0], b[f][1], T());
       }
     }
   }
@@ -310,11 +317,12 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
             grid=(-(-n // threads) * threads, max(m, 1), 1), threadgroup=(threads, 1, 1),
         )[0]
     else:
-        tiles = next((t for t in ROW_TILES if m <= t * 16), ROW_TILES[-1])
-        warps = warps_for(width)
+        tiles, column_tiles, warps = layout(m, width)
         out = _kernel(bias is not None, "quantized" if quantized else "plain")(
-            **common, template=[("T", x.dtype), *template, ("TILES", tiles), ("WARPS", warps)],
-            grid=(-(-n // COLUMNS) * warps * 32, max(1, -(-m // (tiles * 16))), 1),
+            **common,
+            template=[("T", x.dtype), *template, ("TILES", tiles), ("FT", column_tiles),
+                      ("WARPS", warps)],
+            grid=(-(-n // (8 * column_tiles)) * warps * 32, max(1, -(-m // (tiles * 16))), 1),
             threadgroup=(warps * 32, 1, 1),
         )[0]
     return out.reshape(*lead, n)

@@ -8,6 +8,8 @@ kernel by the number of rows (``cuda_matmul``). So on CUDA, once at load:
   layer, runs through ``cuda_matmul.linear``, which adds each dot product's terms in
   one order whatever the row count. The family's decode step calls it too (``decode.
   fused.StepLinear``);
+- the attention of mlx-vlm's language model code (every family's prefill but Gemma
+  3's, which has its own) runs on the engine's attention kernel (``model_attention``);
 - each request's images go through the vision tower in a call of their own, not
   stacked with other requests' (the tower's convolutions and matmuls choose their
   kernels by batch too);
@@ -30,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
-from . import cuda_matmul
+from . import cuda_matmul, model_attention
 
 _USE_KERNEL = os.environ.get("VLM_SERVE_MATMUL", "exact") != "mlx"
 
@@ -109,7 +111,8 @@ def install(language_model: nn.Module) -> list[str]:
     """Point the language model's linear layers (and embedding tables, as output
     layers) at ``cuda_matmul``, in place. Returns the names of linear layers it cannot
     take; an embedding table counts only where no ``lm_head`` is there to read
-    instead."""
+    instead. The model code's attention takes the engine's kernel too."""
+    model_attention.route(language_model)
     modules = dict(language_model.named_modules())
     tied = not any(name.split(".")[-1] == "lm_head" for name in modules)
     left = []

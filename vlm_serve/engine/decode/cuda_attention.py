@@ -27,9 +27,12 @@ so a row batched and the same row alone take the same arithmetic (``tests/
 test_cuda_attention.py``, on a CUDA machine).
 
 A prefill pass (``prefill_attention``) takes each of its queries as a row: the keys of
-its prompt, causal and within a window, as mlx-lm's masks have them. For Gemma 3's
-head size MLX composes prefill attention on CUDA (about 20 graph nodes a layer); this
-is 2. Each query reads its keys on its own, so only short passes take it.
+its prompt, causal and within a window as mlx-lm's masks have them, or as a boolean
+mask gives them (Gemma 4's images see each other both ways). For Gemma 3's head size
+MLX composes prefill attention on CUDA (about 20 graph nodes a layer); this is 2. Each
+query reads its keys on its own, which long passes pay for: they take it where the
+engine keeps rows exact (``row_exact``, and ``model_attention`` for the families whose
+prefill is mlx-vlm's own code).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ _COMMON = """
 _DECODE_ROW = """
   // q (slots, heads, 1, D); keys (slots, KV_HEADS, columns, D): row `row`'s own.
   const int first = 0, count = min(counts[row], columns);
+  auto visible = [](int) { return true; };
   const size_t kv_offset = ((size_t)row * KV_HEADS + kv_head) * columns * D;
   for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
     q_s[i / D][i % D] = static_cast<float>(q[((size_t)row * heads + head0) * D + i]);
@@ -104,16 +108,25 @@ _DECODE_ROW = """
 
 _PREFILL_ROW = """
   // q (B, heads, L, D): a pass's L queries per prompt, the last L of its keys' columns
-  // (B, KV_HEADS, columns, D). Row `row` is query qi of prompt b; it attends causally,
-  // to the last WINDOW columns up to its own where WINDOW > 0.
+  // (B, KV_HEADS, columns, D). Row `row` is query qi of prompt b. It attends to the
+  // columns up to its own where CAUSAL (the last WINDOW of them where WINDOW > 0), else
+  // to every column; and, where a mask is given, only to those its row of the mask
+  // allows (VISIBLE).
   const int L = q_shape[2], b = row / L, qi = row % L;
-  const int count = columns - L + qi + 1;
+  const int count = CAUSAL ? columns - L + qi + 1 : columns;
   const int first = WINDOW > 0 ? max(0, count - WINDOW) : 0;
   const size_t kv_offset = ((size_t)b * KV_HEADS + kv_head) * columns * D;
+  VISIBLE
   for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
     q_s[i / D][i % D] = static_cast<float>(q[(((size_t)b * heads + head0 + i / D) * L + qi) * D + i % D]);
   }
 """
+
+# Which columns of ``first .. count`` a prefill query attends to: all, or those its row
+# of ``mask`` (MASK_ROWS, L, columns: one row of masks, or one per prompt) allows.
+_ALL_VISIBLE = "auto visible = [](int) { return true; };"
+_MASK_VISIBLE = """const bool* mask_row = mask + ((size_t)(MASK_ROWS == 1 ? 0 : b) * L + qi) * columns;
+  auto visible = [&](int c) { return mask_row[c]; };"""
 
 _PARTIAL = """
   const T* k_row = keys + kv_offset;
@@ -128,15 +141,18 @@ _PARTIAL = """
     l[h] = 0.0f;
   }
   const int run = chunk * CHUNK + warp * PER_WARP;  // this warp's fixed run of columns
-  const int start = max(run, first);
   const int stop = min(run + PER_WARP, count);
   // Rounds of 32 columns, one per lane: each lane's dot products run over its own key
-  // in dim order, so no lane waits on another's until the round's max and sum.
-  for (int c0 = start; c0 < stop; c0 += 32) {
+  // in dim order, so no lane waits on another's until the round's max and sum. Rounds
+  // start at the run's first column whatever the row's first visible one, so a column
+  // meets the same lane whether the row's columns come as a count, a window or a mask;
+  // a column the row does not see adds nothing.
+  for (int c0 = run; c0 < stop; c0 += 32) {
     const int c = c0 + lane;
+    const bool valid = c >= first && c < stop && visible(c);
     float s[QG];
     for (int h = 0; h < QG; ++h) s[h] = 0.0f;
-    if (c < stop) {
+    if (valid) {
       const T* k = k_row + (size_t)c * D;
       for (int d0 = 0; d0 < D; d0 += STEP) {
         alignas(16) T kv[STEP];
@@ -149,16 +165,19 @@ _PARTIAL = """
     }
     float p[QG];
     for (int h = 0; h < QG; ++h) {
-      s[h] = c < stop ? s[h] * SCALE : NEG_INF;
+      s[h] = valid ? s[h] * SCALE : NEG_INF;
       const float m_new = fmaxf(m[h], warp_max(s[h]));
-      p[h] = c < stop ? expf(s[h] - m_new) : 0.0f;
-      const float alpha = expf(m[h] - m_new);
+      p[h] = valid ? expf(s[h] - m_new) : 0.0f;
+      // A round of columns none seen yet (a mask's gap): nothing to rescale.
+      const float alpha = m_new == NEG_INF ? 1.0f : expf(m[h] - m_new);
       l[h] = l[h] * alpha + warp_sum(p[h]);
       for (int j = 0; j < SPANS; ++j) for (int t = 0; t < STEP; ++t) o[h][j][t] *= alpha;
       m[h] = m_new;
     }
-    const int n = min(32, stop - c0);
-    for (int i = 0; i < n; ++i) {
+    // The round's seen columns in order (never a value the row does not see, which a
+    // masked-out padding row may hold as anything).
+    for (unsigned live = __ballot_sync(0xffffffff, valid); live != 0; live &= live - 1) {
+      const int i = __ffs(live) - 1;
       float pc[QG];
       for (int h = 0; h < QG; ++h) pc[h] = __shfl_sync(0xffffffff, p[h], i);
       const T* v = v_row + (size_t)(c0 + i) * D;
@@ -217,6 +236,10 @@ _COMBINE = """
   const float* parts = partial + ((size_t)row * heads + head) * chunks * (D + 2);
   float top = NEG_INF;
   for (int c = 0; c < chunks; ++c) top = fmaxf(top, parts[c * (D + 2) + D]);
+  if (top == NEG_INF) {  // a query that sees no column (a mask's padding row): zeros
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out[((size_t)row * heads + head) * D + d] = T(0.0f);
+    return;
+  }
   float sum = 0.0f;
   for (int c = 0; c < chunks; ++c) {
     sum += parts[c * (D + 2) + D + 1] * expf(parts[c * (D + 2) + D] - top);
@@ -232,21 +255,25 @@ _COMBINE = """
 
 
 @functools.cache
-def _kernels(scale: float, prefill: bool = False):
+def _kernels(scale: float, opening: str = "decode"):
+    """Pass 1 and pass 2 for one scale and one kind of row: "decode", "prefill" or
+    "masked" (a prefill pass with a mask)."""
     # The scale is a compile-time constant of the kernel (MLX's template arguments
     # take ints, bools and dtypes only).
     header = _HEADER + f"#define SCALE {float(scale)!r}f\n"
     tag = f"{float(scale)!r}".replace(".", "p").replace("-", "m")
-    kind = "prefill" if prefill else "decode"
+    row = _DECODE_ROW if opening == "decode" else _PREFILL_ROW.replace(
+        "VISIBLE", _MASK_VISIBLE if opening == "masked" else _ALL_VISIBLE)
+    inputs = {"decode": ["counts"], "prefill": [], "masked": ["mask"]}[opening]
     partial = mx.fast.cuda_kernel(
-        name=f"vlm_{kind}_attention_partial_{tag}",
-        input_names=["q", "keys", "values"] if prefill else ["q", "keys", "values", "counts"],
+        name=f"vlm_{opening}_attention_partial_{tag}",
+        input_names=["q", "keys", "values", *inputs],
         output_names=["partial"],
-        source=_COMMON + (_PREFILL_ROW if prefill else _DECODE_ROW) + _PARTIAL,
+        source=_COMMON + row + _PARTIAL,
         header=header,
     )
     combine = mx.fast.cuda_kernel(
-        name=f"vlm_{kind}_attention_combine_{tag}",
+        name=f"vlm_{opening}_attention_combine_{tag}",
         input_names=["partial"],
         output_names=["out"],
         source=_COMBINE,
@@ -277,17 +304,26 @@ def decode_attention(
 
 def prefill_attention(
     q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
-    group: int | None = None,
+    group: int | None = None, causal: bool = True, mask: mx.array | None = None,
 ) -> mx.array:
     """A prefill pass's attention: ``q`` (prompts, heads, L, dim), the queries of the
     last L of the keys' columns; ``keys``/``values`` (prompts, kv_heads, columns, dim).
     Each query attends causally, to at most the last ``window`` columns up to its own
-    where given (mlx-lm's causal masks). Returns (prompts * L, heads * dim): each
-    query's heads side by side, as the output projection takes them. A query reads its
-    prompt's keys only, so other prompts in the pass never change it."""
+    where given (mlx-lm's causal masks), or to every column where not ``causal``; and
+    where ``mask`` (1 or prompts, L, columns; bool) is given, only to the columns its
+    row allows. Returns (prompts * L, heads * dim): each query's heads side by side, as
+    the output projection takes them. A query reads its prompt's keys only, so other
+    prompts in the pass never change it; and its sums follow the columns it sees, not
+    how they are given (a causal count, a window or a mask)."""
     prompts, heads, length, dim = q.shape
-    return _attention(_kernels(scale, prefill=True), [q, keys, values], prompts * length,
-                      heads, dim, group, [("WINDOW", window or 0)])
+    template = [("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
+    inputs = [q, keys, values]
+    if mask is not None:
+        inputs.append(mask)
+        template.append(("MASK_ROWS", mask.shape[0]))
+    opening = "prefill" if mask is None else "masked"
+    return _attention(_kernels(scale, opening), inputs, prompts * length, heads, dim, group,
+                      template)
 
 
 def _attention(kernels, inputs: list, rows: int, heads: int, dim: int, group: int | None,
@@ -328,3 +364,23 @@ def reference_attention(
     mask = (mx.arange(keys.shape[2])[None, :] < counts[:, None])[:, None, None, :]
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return out.reshape(slots, heads * dim)
+
+
+def reference_prefill_attention(
+    q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
+    group: int | None = None, causal: bool = True, mask: mx.array | None = None,
+) -> mx.array:
+    """What ``prefill_attention`` computes, through MLX's own attention with the mask
+    its arguments describe (to compare with, and to stand in for the kernels where
+    CUDA is not). ``group`` changes no value and is ignored."""
+    prompts, heads, length, dim = q.shape
+    columns = keys.shape[2]
+    visible = mx.ones((length, columns), mx.bool_)
+    if causal:
+        own = mx.arange(columns - length, columns)[:, None]  # each query's own column
+        visible = mx.arange(columns)[None, :] <= own
+        if window:
+            visible = visible & (mx.arange(columns)[None, :] > own - window)
+    visible = visible[None] if mask is None else visible[None] & mask
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=visible[:, None])
+    return out.transpose(0, 2, 1, 3).reshape(prompts * length, heads * dim)
