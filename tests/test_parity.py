@@ -317,6 +317,9 @@ def _oracle_from_ids(harness, ids: list[int], max_tokens: int) -> list[int]:
 
     from mlx_vlm.generate import generate_step
 
+    if harness.alone is not None:  # CUDA: the engine alone, on a cache of its own
+        return harness.alone(_prepared_from_ids(harness, "oracle", ids, max_tokens))
+
     steps = generate_step(mx.array([ids]), harness.oracle_model, None, None, max_tokens=max_tokens,
                           temperature=0.0, prefill_step_size=PREFILL_STEP)
     return [token for token, _ in itertools.islice(steps, max_tokens)]

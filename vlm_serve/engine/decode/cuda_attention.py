@@ -111,7 +111,7 @@ _PREFILL_ROW = """
   // (B, KV_HEADS, columns, D). Row `row` is query qi of prompt b. It attends to the
   // columns up to its own where CAUSAL (the last WINDOW of them where WINDOW > 0), else
   // to every column; and, where a mask is given, only to those its row of the mask
-  // allows (VISIBLE).
+  // allows (`visible`).
   const int L = q_shape[2], b = row / L, qi = row % L;
   const int count = CAUSAL ? columns - L + qi + 1 : columns;
   const int first = WINDOW > 0 ? max(0, count - WINDOW) : 0;
@@ -124,9 +124,13 @@ _PREFILL_ROW = """
 
 # Which columns of ``first .. count`` a prefill query attends to: all, or those its row
 # of ``mask`` (MASK_ROWS, L, columns: one row of masks, or one per prompt) allows.
-_ALL_VISIBLE = "auto visible = [](int) { return true; };"
-_MASK_VISIBLE = """const bool* mask_row = mask + ((size_t)(MASK_ROWS == 1 ? 0 : b) * L + qi) * columns;
-  auto visible = [&](int c) { return mask_row[c]; };"""
+_ALL_VISIBLE = """
+  auto visible = [](int) { return true; };
+"""
+_MASK_VISIBLE = """
+  const bool* mask_row = mask + ((size_t)(MASK_ROWS == 1 ? 0 : b) * L + qi) * columns;
+  auto visible = [&](int c) { return mask_row[c]; };
+"""
 
 _PARTIAL = """
   const T* k_row = keys + kv_offset;
@@ -263,7 +267,7 @@ def _kernels(scale: float, opening: str = "decode"):
     header = _HEADER + f"#define SCALE {float(scale)!r}f\n"
     tag = f"{float(scale)!r}".replace(".", "p").replace("-", "m")
     row = _DECODE_ROW if opening == "decode" else _PREFILL_ROW.replace(
-        "VISIBLE", _MASK_VISIBLE if opening == "masked" else _ALL_VISIBLE)
+        "  VISIBLE\n", _MASK_VISIBLE if opening == "masked" else _ALL_VISIBLE)
     inputs = {"decode": ["counts"], "prefill": [], "masked": ["mask"]}[opening]
     partial = mx.fast.cuda_kernel(
         name=f"vlm_{opening}_attention_partial_{tag}",
