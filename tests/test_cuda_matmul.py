@@ -39,7 +39,7 @@ def _rows(count: int, width: int, dtype, seed: int = 1) -> mx.array:
 
 def _assert_row_exact(layer, x):
     alone = [cuda_matmul.linear(x[i:i + 1], layer) for i in range(x.shape[0])]
-    for m in ROW_COUNTS:
+    for m in [m for m in ROW_COUNTS if m <= x.shape[0]]:
         batched = cuda_matmul.linear(x[:m], layer)
         for i in range(0, m, max(1, m // 5)):
             assert mx.array_equal(batched[i], alone[i][0]).item(), f"row {i} of {m} differs from alone"
