@@ -18,7 +18,7 @@ from mlx_vlm import load
 from mlx_vlm.models.cache import make_prompt_cache
 
 from vlm_serve.engine import model_attention
-from vlm_serve.engine.decode import cuda_attention
+from vlm_serve.engine.decode import attention, cuda_attention
 from vlm_serve.engine.families import family_for
 from vlm_serve.engine.loader import resolve_chat_template
 from vlm_serve.engine.types import SamplingParams
@@ -49,8 +49,9 @@ def kernel_calls(monkeypatch):
 
 
 @pytest.fixture
-def routed():
-    """``route`` for a test, undone after it (it rebinds module globals)."""
+def routed(monkeypatch):
+    """``route`` for a test, as on CUDA, undone after it (it rebinds module globals)."""
+    monkeypatch.setattr(attention, "uses_kernels", lambda: True)
     names = []
 
     def route(language_model):

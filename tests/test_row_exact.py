@@ -13,6 +13,7 @@ import pytest
 from mlx_vlm import load
 
 from vlm_serve.engine import cuda_matmul, model_attention, row_exact
+from vlm_serve.engine.decode import attention
 from vlm_serve.engine.decode.fused import StepLinear
 from vlm_serve.engine.families import SerialFamily, family_for
 
@@ -21,6 +22,7 @@ from vlm_serve.engine.families import SerialFamily, family_for
 def as_if_cuda(monkeypatch):
     monkeypatch.setattr(cuda_matmul, "available", lambda: True)
     monkeypatch.setattr(row_exact, "_USE_KERNEL", True)
+    monkeypatch.setattr(attention, "uses_kernels", lambda: True)
     routed = []  # the model code's attention, routed at install: undone after the test
     route = model_attention.route
     monkeypatch.setattr(model_attention, "route", lambda lm: routed.extend(route(lm)) or routed)

@@ -36,7 +36,12 @@ MAX_QUERIES = 65_535  # the kernel's rows per pass (CUDA's grid z)
 def route(language_model: nn.Module) -> list[str]:
     """Point the attention of every module defining ``language_model``'s layers at
     ``exact_attention``, in place (process-wide: those modules' other models too).
-    Returns the modules routed."""
+    Returns the modules routed: none where ``VLM_SERVE_DECODE_ATTENTION=mlx`` keeps
+    MLX's attention."""
+    from .decode.attention import uses_kernels  # (it reads row_exact, which imports this)
+
+    if not uses_kernels():
+        return []
     routed = []
     for name in sorted({type(m).__module__ for _, m in language_model.named_modules()}):
         module = sys.modules.get(name)

@@ -14,7 +14,8 @@ Prefill passes on CUDA take a kernel of the same design (``prefill_attend``): sh
 ones always, longer ones where the engine keeps rows exact (``row_exact``), since MLX's
 composed attention multiplies a pass's queries in one matmul, whose kernel follows the
 pass's length (a prompt alone and the same prompt padded into a shared pass would get
-other bits).
+other bits). The prefill passes of mlx-vlm's own model code take it there too
+(``model_attention``).
 
 ``VLM_SERVE_DECODE_ATTENTION=mlx`` keeps MLX's attention on CUDA too, for both (for
 comparison).
