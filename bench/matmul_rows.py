@@ -6,9 +6,10 @@ printed with the first row count whose row 0 has the same bits (one class per ke
 choice). ``--timing``: ms per call of each at decode and prefill row counts (20 calls
 per evaluation, after a warm-up). ``--layouts``: the same per call for each choice of
 column tiles and warps per block (``cuda_matmul.layout``), with whether its bits equal
-the default layout's.
+the default layout's. ``--staged`` (with ``--timing``): the kernel that stages its
+chunks in shared memory too.
 
-    python bench/matmul_rows.py --classes --timing --layouts
+    python bench/matmul_rows.py --classes --timing --staged --layouts
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def main() -> None:
     p.add_argument("--classes", action="store_true")
     p.add_argument("--timing", action="store_true")
     p.add_argument("--layouts", action="store_true")
+    p.add_argument("--staged", action="store_true",
+                   help="with --timing: the staged kernel too, and whether its bits are the same")
     args = p.parse_args()
     if not cuda_matmul.available():
         raise SystemExit("needs MLX's CUDA backend")
@@ -85,11 +88,28 @@ def main() -> None:
                     inputs = [rows(m, width, 7 + i % 5) for i in range(20)]
                     ours = per_call_ms(lambda v: cuda_matmul.linear(v, module), inputs)
                     theirs = per_call_ms(module, inputs)
-                    print(f"{'4-bit' if bits else 'bf16'} {width}x{out} rows {m}: MLX {theirs:.3f} ms, "
-                          f"exact {ours:.3f} ms ({ours / theirs:.2f}x)", flush=True)
+                    line = (f"{'4-bit' if bits else 'bf16'} {width}x{out} rows {m}: MLX {theirs:.3f} ms, "
+                            f"exact {ours:.3f} ms ({ours / theirs:.2f}x)")
+                    if not bits and args.staged:
+                        line += ", staged " + staged_timing(module, inputs, theirs)
+                    print(line, flush=True)
 
     if args.layouts:
         layouts()
+
+
+def staged_timing(module, inputs: list[mx.array], mlx_ms: float) -> str:
+    """The staged kernel's ms per call on ``inputs`` (``cuda_matmul.STAGED_MIN_ROWS``
+    set to take every row count), and whether it gives the one-pass kernel's bits."""
+    default = cuda_matmul.STAGED_MIN_ROWS
+    one_pass = cuda_matmul.linear(inputs[0], module)
+    cuda_matmul.STAGED_MIN_ROWS = 1
+    try:
+        ms = per_call_ms(lambda v: cuda_matmul.linear(v, module), inputs)
+        same = mx.array_equal(cuda_matmul.linear(inputs[0], module), one_pass).item()
+    finally:
+        cuda_matmul.STAGED_MIN_ROWS = default
+    return f"{ms:.3f} ms ({ms / mlx_ms:.2f}x, {'same bits' if same else 'OTHER BITS'})"
 
 
 def layouts() -> None:

@@ -68,6 +68,23 @@ def test_plain_weights_match_float64_and_each_row_is_exact(width, out, bias, dty
     _assert_row_exact(layer, x)
 
 
+@pytest.mark.parametrize("width,out,bias", [(2560, 4096, False), (2048, 2560, True), (10240, 640, False),
+                                            (2560, 100, True)])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_the_staged_kernel_gives_the_same_bits(width, out, bias, dtype, monkeypatch):
+    """Many rows of plain weights may take the kernel that stages its chunks in shared
+    memory: every output the same to the bit as the one-pass kernel's, at every row
+    count (so the choice between them by rows keeps each row's bits)."""
+    layer = _layer(width, out, dtype, bias)
+    x = _rows(300, width, dtype)
+    for m in (1, 7, 16, 17, 33, 64, 65, 130, 300):
+        monkeypatch.setattr(cuda_matmul, "STAGED_MIN_ROWS", None)
+        one_pass = cuda_matmul.linear(x[:m], layer)
+        monkeypatch.setattr(cuda_matmul, "STAGED_MIN_ROWS", 1)
+        staged = cuda_matmul.linear(x[:m], layer)
+        assert mx.array_equal(staged, one_pass).item(), f"{m} rows"
+
+
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (4, 128), (8, 64)])
 def test_quantized_weights_match_mlx_and_each_row_is_exact(bits, group):
     layer = _layer(2560, 1024, mx.bfloat16, True, bits, group)
