@@ -1,9 +1,12 @@
 """Decode attention of 34 layers (Gemma-3-4B heads: 8 query, 4 key/value, dim 256, bf16)
 at B rows of ~330-360 keys in a store of 512 columns: the engine's CUDA kernels against
 MLX's own single-query kernel on rows of one length (352 keys), and the step's 68 KV
-writes (``put_along_axis`` into the store, in place). CUDA only.
+writes (``put_along_axis`` into the store, in place). ``--prefill-lengths``: one first
+prefill pass of each length through 34 layers, the engine's prefill kernel at 1, 2, 4
+and 8 queries per block (and whether each gives the bits of 1) against MLX's causal
+attention. CUDA only.
 
-    python bench/attention_kernels.py [--batch-sizes 1,64,128]
+    python bench/attention_kernels.py [--batch-sizes 1,64,128] [--prefill-lengths 270,2048]
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 
 import mlx.core as mx
 
-from vlm_serve.engine.decode.cuda_attention import decode_attention
+from vlm_serve.engine.decode.cuda_attention import decode_attention, prefill_attention
 
 LAYERS, HEADS, KV_HEADS, DIM, COLUMNS, SCALE = 34, 8, 4, 256, 512, 0.0625
 
@@ -31,9 +34,12 @@ def timed(step, reps: int = 20) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,64,128")
+    p.add_argument("--prefill-lengths", default="")
     args = p.parse_args()
     bf16 = mx.bfloat16
-    for rows in (int(b) for b in args.batch_sizes.split(",")):
+    for length in (int(n) for n in args.prefill_lengths.split(",") if n):
+        prefill(length)
+    for rows in (int(b) for b in args.batch_sizes.split(",") if b):
         def store():
             return [mx.random.normal((rows, KV_HEADS, COLUMNS, DIM)).astype(bf16) for _ in range(LAYERS)]
 
@@ -58,6 +64,29 @@ def main() -> None:
         writes = timed(write)
         print(f"B={rows}: engine kernels {ours:.2f} ms, MLX single-query kernel {mlx_ms:.2f} ms, "
               f"68 KV writes {writes:.2f} ms", flush=True)
+
+
+def prefill(length: int) -> None:
+    """A first pass of ``length`` tokens: 34 layers' attention, ms."""
+    def layer_inputs(heads):
+        return [mx.random.normal((1, heads, length, DIM)).astype(mx.bfloat16) for _ in range(LAYERS)]
+
+    q, keys, values = layer_inputs(HEADS), layer_inputs(KV_HEADS), layer_inputs(KV_HEADS)
+    mx.eval(q, keys, values)
+    cells, one = [], None
+    for queries in (1, 2, 4, 8):
+        def run(n=queries):
+            return [prefill_attention(q[i], keys[i], values[i], SCALE, queries=n) for i in range(LAYERS)]
+
+        ms = timed(run, reps=5)
+        out = run()[0]
+        one = out if one is None else one
+        same = mx.array_equal(out, one).item()
+        cells.append(f"{queries} a block {ms:.2f} ms{'' if same else ' (OTHER BITS)'}")
+    mlx_ms = timed(lambda: [mx.fast.scaled_dot_product_attention(q[i], keys[i], values[i], scale=SCALE,
+                                                                  mask="causal") for i in range(LAYERS)], reps=5)
+    print(f"prefill {length} tokens: engine kernel " + ", ".join(cells) + f"; MLX {mlx_ms:.2f} ms",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -181,3 +181,20 @@ def test_a_masked_prompt_in_a_shared_padded_pass_equals_it_alone():
             mask=mx.array(mask[i:i + 1, :n, :n]))
         assert np.array_equal(np.array(alone.astype(mx.float32)),
                               together[columns * i:columns * i + n]), f"prompt {i}"
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (28, 4, 128), (32, 16, 512)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_queries_sharing_a_block_compute_what_each_computes_alone(heads, kv_heads, dim, dtype):
+    """A block of pass 1 loads each key and value once for several queries of a prompt:
+    every number of them gives each query the same bits as a block of its own, with a
+    count, a window or a mask, and where the last block runs past the pass's end."""
+    rng = np.random.default_rng(heads + dim + 1)
+    columns, length = 400, 37
+    q, keys, values = _pass(rng, 2, heads, kv_heads, dim, columns, length, dtype)
+    mask = _visible(rng, 2, length, columns)
+    for kwargs in ({}, {"window": 64}, {"causal": False, "mask": mask}):
+        alone = cuda_attention.prefill_attention(q, keys, values, dim**-0.5, queries=1, **kwargs)
+        for queries in (2, 4, 8):
+            shared = cuda_attention.prefill_attention(q, keys, values, dim**-0.5, queries=queries, **kwargs)
+            assert mx.array_equal(shared, alone).item(), f"{queries} queries a block, {kwargs.keys()}"

@@ -1,5 +1,5 @@
 """Attention as two CUDA kernels: one new token per row over the slot store (decode),
-and the queries of a short prefill pass over their prompts' caches.
+and the queries of a prefill pass over their prompts' caches.
 
 MLX's fused single-query kernel takes no mask, so on CUDA a batched decode step (rows of
 different lengths) falls back to MLX's composition: a dozen graph nodes per layer, the
@@ -29,10 +29,13 @@ test_cuda_attention.py``, on a CUDA machine).
 A prefill pass (``prefill_attention``) takes each of its queries as a row: the keys of
 its prompt, causal and within a window as mlx-lm's masks have them, or as a boolean
 mask gives them (Gemma 4's images see each other both ways). For Gemma 3's head size
-MLX composes prefill attention on CUDA (about 20 graph nodes a layer); this is 2. Each
-query reads its keys on its own, which long passes pay for: they take it where the
-engine keeps rows exact (``row_exact``, and ``model_attention`` for the families whose
-prefill is mlx-vlm's own code).
+MLX composes prefill attention on CUDA (about 20 graph nodes a layer); this is 2. A
+block of pass 1 may take up to 8 consecutive queries of a prompt (``queries_per_block``):
+each key and value a lane loads serves all of them, and each query's sums run as they
+would in a block of its own (a column it does not see adds exact zeros), so the number
+never changes its bits. Long passes take it where the engine keeps rows exact
+(``row_exact``, and ``model_attention`` for the families whose prefill is mlx-vlm's
+own code).
 """
 
 from __future__ import annotations
@@ -78,158 +81,218 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 """
 
-# Pass 1 is one body after one of two openings, which say what the block's query row
-# is: a decode row (its own keys, its count of them) or a prefill query (the keys of
-# its prompt, causal and within a window). Both set ``first``/``count`` (the columns
-# the row attends to), ``k_row``/``v_row`` and the block's queries in ``q_s``.
+# Pass 1 is one body after one of two openings, which say what the block's QQ query
+# rows are: one decode row (its own keys, its count of them), or QQ consecutive queries
+# of one prompt in a prefill pass (the keys of their prompt, causal and within a window,
+# or as a mask gives them). Both set, per query, ``out_row`` (its row of the output, -1
+# past the pass's end), ``first``/``count`` (the columns it may attend to) and
+# ``visible(qq, c)``; and ``kv_offset`` (the keys' row) and the queries in ``q_s``.
 _COMMON = """
   constexpr int VEC = 16 / sizeof(T);  // elements of one 16-byte load
   constexpr int STEP = D % VEC == 0 ? VEC : 1;  // elements per load: rows in whole 16 bytes
   constexpr int SPANS = (D + 32 * STEP - 1) / (32 * STEP);  // a lane's runs of value dims
   constexpr int PER_WARP = CHUNK / WARPS;
-  const int chunk = blockIdx.x, group = blockIdx.y, row = blockIdx.z;
+  const int chunk = blockIdx.x, group = blockIdx.y;
   const int heads = gridDim.y * QG, chunks = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int columns = keys_shape[2];
   const int head0 = group * QG;  // this block's query heads: head0 .. head0 + QG - 1
   const int kv_head = head0 / (heads / KV_HEADS);
-  __shared__ float q_s[QG][D];
+  __shared__ float q_s[QQ][QG][D];
+  int out_row[QQ], first[QQ], count[QQ];
 """
 
 _DECODE_ROW = """
   // q (slots, heads, 1, D); keys (slots, KV_HEADS, columns, D): row `row`'s own.
-  const int first = 0, count = min(counts[row], columns);
-  auto visible = [](int) { return true; };
+  static_assert(QQ == 1, "one query per decode row");
+  const int row = blockIdx.z;
+  out_row[0] = row, first[0] = 0, count[0] = min(counts[row], columns);
+  auto visible = [](int, int) { return true; };
   const size_t kv_offset = ((size_t)row * KV_HEADS + kv_head) * columns * D;
   for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
-    q_s[i / D][i % D] = static_cast<float>(q[((size_t)row * heads + head0) * D + i]);
+    q_s[0][i / D][i % D] = static_cast<float>(q[((size_t)row * heads + head0) * D + i]);
   }
 """
 
 _PREFILL_ROW = """
   // q (B, heads, L, D): a pass's L queries per prompt, the last L of its keys' columns
-  // (B, KV_HEADS, columns, D). Row `row` is query qi of prompt b. It attends to the
-  // columns up to its own where CAUSAL (the last WINDOW of them where WINDOW > 0), else
-  // to every column; and, where a mask is given, only to those its row of the mask
-  // allows (`visible`).
-  const int L = q_shape[2], b = row / L, qi = row % L;
-  const int count = CAUSAL ? columns - L + qi + 1 : columns;
-  const int first = WINDOW > 0 ? max(0, count - WINDOW) : 0;
+  // (B, KV_HEADS, columns, D). The block takes queries q0 .. q0 + QQ - 1 of prompt b.
+  // Query qi attends to the columns up to its own where CAUSAL (the last WINDOW of them
+  // where WINDOW > 0), else to every column; and, where a mask is given, only to those
+  // its row of the mask allows (`visible`).
+  const int L = q_shape[2], tiles = (L + QQ - 1) / QQ;
+  const int b = blockIdx.z / tiles, q0 = (blockIdx.z % tiles) * QQ;
+#pragma unroll
+  for (int qq = 0; qq < QQ; ++qq) {
+    const int qi = q0 + qq;
+    out_row[qq] = qi < L ? b * L + qi : -1;
+    count[qq] = qi >= L ? 0 : CAUSAL ? columns - L + qi + 1 : columns;
+    first[qq] = WINDOW > 0 ? max(0, count[qq] - WINDOW) : 0;
+  }
   const size_t kv_offset = ((size_t)b * KV_HEADS + kv_head) * columns * D;
   VISIBLE
-  for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
-    q_s[i / D][i % D] = static_cast<float>(q[(((size_t)b * heads + head0 + i / D) * L + qi) * D + i % D]);
+  for (int i = threadIdx.x; i < QQ * QG * D; i += blockDim.x) {
+    const int qq = i / (QG * D), h = i / D % QG, d = i % D;
+    q_s[qq][h][d] = q0 + qq < L
+        ? static_cast<float>(q[(((size_t)b * heads + head0 + h) * L + q0 + qq) * D + d]) : 0.0f;
   }
 """
 
 # Which columns of ``first .. count`` a prefill query attends to: all, or those its row
 # of ``mask`` (MASK_ROWS, L, columns: one row of masks, or one per prompt) allows.
 _ALL_VISIBLE = """
-  auto visible = [](int) { return true; };
+  auto visible = [](int, int) { return true; };
 """
 _MASK_VISIBLE = """
-  const bool* mask_row = mask + ((size_t)(MASK_ROWS == 1 ? 0 : b) * L + qi) * columns;
-  auto visible = [&](int c) { return mask_row[c]; };
+  const bool* mask_rows = mask + ((size_t)(MASK_ROWS == 1 ? 0 : b) * L + q0) * columns;
+  auto visible = [&](int qq, int c) { return mask_rows[(size_t)qq * columns + c]; };
 """
 
+# Each lane loads a column's key and value once for the block's QQ queries and QG heads,
+# and each query's sums run as they would with the query alone in its block: a column
+# another query sees and this one does not adds exact zeros to it.
 _PARTIAL = """
   const T* k_row = keys + kv_offset;
   const T* v_row = values + kv_offset;
   __syncthreads();
 
   // Lane `lane` owns value dims (span * 32 + lane) * STEP .. + STEP.
-  float o[QG][SPANS][STEP], m[QG], l[QG];
-  for (int h = 0; h < QG; ++h) {
-    for (int j = 0; j < SPANS; ++j) for (int t = 0; t < STEP; ++t) o[h][j][t] = 0.0f;
-    m[h] = NEG_INF;
-    l[h] = 0.0f;
+  float o[QQ][QG][SPANS][STEP], m[QQ][QG], l[QQ][QG];
+#pragma unroll
+  for (int qq = 0; qq < QQ; ++qq) {
+#pragma unroll
+    for (int h = 0; h < QG; ++h) {
+#pragma unroll
+      for (int j = 0; j < SPANS; ++j) for (int t = 0; t < STEP; ++t) o[qq][h][j][t] = 0.0f;
+      m[qq][h] = NEG_INF;
+      l[qq][h] = 0.0f;
+    }
   }
   const int run = chunk * CHUNK + warp * PER_WARP;  // this warp's fixed run of columns
-  const int stop = min(run + PER_WARP, count);
+  int stop[QQ], last = run;
+#pragma unroll
+  for (int qq = 0; qq < QQ; ++qq) {
+    stop[qq] = min(run + PER_WARP, count[qq]);
+    last = max(last, stop[qq]);
+  }
   // Rounds of 32 columns, one per lane: each lane's dot products run over its own key
   // in dim order, so no lane waits on another's until the round's max and sum. Rounds
-  // start at the run's first column whatever the row's first visible one, so a column
-  // meets the same lane whether the row's columns come as a count, a window or a mask;
-  // a column the row does not see adds nothing.
-  for (int c0 = run; c0 < stop; c0 += 32) {
+  // start at the run's first column whatever a query's first visible one, so a column
+  // meets the same lane whether a query's columns come as a count, a window or a mask;
+  // a column a query does not see adds nothing to it.
+  for (int c0 = run; c0 < last; c0 += 32) {
     const int c = c0 + lane;
-    const bool valid = c >= first && c < stop && visible(c);
-    float s[QG];
-    for (int h = 0; h < QG; ++h) s[h] = 0.0f;
-    if (valid) {
+    bool valid[QQ], any = false;
+#pragma unroll
+    for (int qq = 0; qq < QQ; ++qq) {
+      valid[qq] = c >= first[qq] && c < stop[qq] && visible(qq, c);
+      any = any || valid[qq];
+    }
+    float s[QQ][QG];
+#pragma unroll
+    for (int qq = 0; qq < QQ; ++qq) for (int h = 0; h < QG; ++h) s[qq][h] = 0.0f;
+    if (any) {
       const T* k = k_row + (size_t)c * D;
       for (int d0 = 0; d0 < D; d0 += STEP) {
         alignas(16) T kv[STEP];
         load_run<T, STEP>(k + d0, kv);
+#pragma unroll
         for (int t = 0; t < STEP; ++t) {
           const float kf = static_cast<float>(kv[t]);
-          for (int h = 0; h < QG; ++h) s[h] += q_s[h][d0 + t] * kf;
+#pragma unroll
+          for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+            for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][d0 + t] * kf;
         }
       }
     }
-    float p[QG];
-    for (int h = 0; h < QG; ++h) {
-      s[h] = valid ? s[h] * SCALE : NEG_INF;
-      const float m_new = fmaxf(m[h], warp_max(s[h]));
-      p[h] = valid ? expf(s[h] - m_new) : 0.0f;
-      // A round of columns none seen yet (a mask's gap): nothing to rescale.
-      const float alpha = m_new == NEG_INF ? 1.0f : expf(m[h] - m_new);
-      l[h] = l[h] * alpha + warp_sum(p[h]);
-      for (int j = 0; j < SPANS; ++j) for (int t = 0; t < STEP; ++t) o[h][j][t] *= alpha;
-      m[h] = m_new;
+    float p[QQ][QG];
+#pragma unroll
+    for (int qq = 0; qq < QQ; ++qq) {
+#pragma unroll
+      for (int h = 0; h < QG; ++h) {
+        s[qq][h] = valid[qq] ? s[qq][h] * SCALE : NEG_INF;
+        const float m_new = fmaxf(m[qq][h], warp_max(s[qq][h]));
+        p[qq][h] = valid[qq] ? expf(s[qq][h] - m_new) : 0.0f;
+        // A round of columns none seen yet (a mask's gap): nothing to rescale.
+        const float alpha = m_new == NEG_INF ? 1.0f : expf(m[qq][h] - m_new);
+        l[qq][h] = l[qq][h] * alpha + warp_sum(p[qq][h]);
+#pragma unroll
+        for (int j = 0; j < SPANS; ++j) for (int t = 0; t < STEP; ++t) o[qq][h][j][t] *= alpha;
+        m[qq][h] = m_new;
+      }
     }
-    // The round's seen columns in order (never a value the row does not see, which a
-    // masked-out padding row may hold as anything).
-    for (unsigned live = __ballot_sync(0xffffffff, valid); live != 0; live &= live - 1) {
+    // The round's seen columns in order (never a value no query sees, which a masked-out
+    // padding row may hold as anything).
+    for (unsigned live = __ballot_sync(0xffffffff, any); live != 0; live &= live - 1) {
       const int i = __ffs(live) - 1;
-      float pc[QG];
-      for (int h = 0; h < QG; ++h) pc[h] = __shfl_sync(0xffffffff, p[h], i);
+      float pc[QQ][QG];
+#pragma unroll
+      for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+        for (int h = 0; h < QG; ++h) pc[qq][h] = __shfl_sync(0xffffffff, p[qq][h], i);
       const T* v = v_row + (size_t)(c0 + i) * D;
+#pragma unroll
       for (int j = 0; j < SPANS; ++j) {
         const int d0 = (j * 32 + lane) * STEP;
         if (d0 >= D) break;
         alignas(16) T vv[STEP];
         load_run<T, STEP>(v + d0, vv);
+#pragma unroll
         for (int t = 0; t < STEP; ++t) {
           const float vf = static_cast<float>(vv[t]);
-          for (int h = 0; h < QG; ++h) o[h][j][t] += pc[h] * vf;
+#pragma unroll
+          for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+            for (int h = 0; h < QG; ++h) o[qq][h][j][t] += pc[qq][h] * vf;
         }
       }
     }
   }
 
+  // The warps of each query meet in order, one query at a time (their buffers are
+  // shared by the block's queries).
   __shared__ float warp_m[QG][WARPS], warp_l[QG][WARPS];
   __shared__ float warp_o[QG][WARPS][D];
-  for (int h = 0; h < QG; ++h) {
-    if (lane == 0) { warp_m[h][warp] = m[h]; warp_l[h][warp] = l[h]; }
-    for (int j = 0; j < SPANS; ++j) {
-      const int d0 = (j * 32 + lane) * STEP;
-      for (int t = 0; t < STEP; ++t) {
-        if (d0 + t < D) warp_o[h][warp][d0 + t] = o[h][j][t];
+#pragma unroll
+  for (int qq = 0; qq < QQ; ++qq) {
+#pragma unroll
+    for (int h = 0; h < QG; ++h) {
+      if (lane == 0) { warp_m[h][warp] = m[qq][h]; warp_l[h][warp] = l[qq][h]; }
+#pragma unroll
+      for (int j = 0; j < SPANS; ++j) {
+        const int d0 = (j * 32 + lane) * STEP;
+#pragma unroll
+        for (int t = 0; t < STEP; ++t) {
+          if (d0 + t < D) warp_o[h][warp][d0 + t] = o[qq][h][j][t];
+        }
       }
     }
-  }
-  __syncthreads();
-
-  for (int h = 0; h < QG; ++h) {
-    float top = NEG_INF;
-    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[h][w]);
-    float* out = partial + (((size_t)row * heads + head0 + h) * chunks + chunk) * (D + 2);
-    if (top == NEG_INF) {  // a chunk past the row's count: nothing to add
-      for (int d = threadIdx.x; d < D + 2; d += blockDim.x) out[d] = d == D ? NEG_INF : 0.0f;
-      continue;
+    __syncthreads();
+    if (out_row[qq] >= 0) {
+#pragma unroll
+      for (int h = 0; h < QG; ++h) {
+        float top = NEG_INF;
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[h][w]);
+        float* out = partial + (((size_t)out_row[qq] * heads + head0 + h) * chunks + chunk) * (D + 2);
+        if (top == NEG_INF) {  // a chunk past the query's count: nothing to add
+          for (int d = threadIdx.x; d < D + 2; d += blockDim.x) out[d] = d == D ? NEG_INF : 0.0f;
+          continue;
+        }
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+          float sum = 0.0f;
+          for (int w = 0; w < WARPS; ++w) sum += warp_o[h][w][d] * expf(warp_m[h][w] - top);
+          out[d] = sum;
+        }
+        if (threadIdx.x == 0) {
+          float sum = 0.0f;
+          for (int w = 0; w < WARPS; ++w) sum += warp_l[h][w] * expf(warp_m[h][w] - top);
+          out[D] = top;
+          out[D + 1] = sum;
+        }
+      }
     }
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float sum = 0.0f;
-      for (int w = 0; w < WARPS; ++w) sum += warp_o[h][w][d] * expf(warp_m[h][w] - top);
-      out[d] = sum;
-    }
-    if (threadIdx.x == 0) {
-      float sum = 0.0f;
-      for (int w = 0; w < WARPS; ++w) sum += warp_l[h][w] * expf(warp_m[h][w] - top);
-      out[D] = top;
-      out[D + 1] = sum;
-    }
+    __syncthreads();
   }
 """
 
@@ -303,12 +366,35 @@ def decode_attention(
     ``heads_per_block``; any divisor of the heads sharing a key/value head gives the
     same bits). Returns (slots, heads * dim) in ``q``'s dtype."""
     slots, heads, _, dim = q.shape
-    return _attention(_kernels(scale), [q, keys, values, counts], slots, heads, dim, group, [])
+    return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim,
+                      group, [("QQ", 1)])
+
+
+# The most queries of a prefill pass a block of pass 1 takes by default. Several give each
+# query the same bits by construction, but that has not yet been run on a GPU
+# (``tests/test_cuda_attention.py::test_queries_sharing_a_block_compute_what_each_
+# computes_alone``): until it has, one.
+MAX_QUERIES_PER_BLOCK = 1
+
+
+def queries_per_block(group: int, dim: int, dtype: mx.Dtype, length: int) -> int:
+    """Queries of a prefill pass per block of pass 1: each key and value a lane loads
+    serves them all. As many as keep each lane's sums in registers (at most 64 floats
+    of weighted values: nvcc for sm_90 then gives the Gemma-3-4B shape's pass 134
+    registers a thread at 4 queries, 250 at 8) and the block's queries and warps in
+    shared memory, up to 8, and no more than the pass has. Any number gives each query
+    the same bits."""
+    step = 16 // dtype.size if dim % (16 // dtype.size) == 0 else 1
+    per_query = group * -(-dim // (32 * step)) * step  # a lane's weighted values
+    fits = [n for n in (8, 4, 2, 1) if n <= MAX_QUERIES_PER_BLOCK
+            and n * per_query <= 64 and (n + WARPS) * group * dim * 4 <= 40 * 1024]
+    return next(n for n in fits if n == 1 or n // 2 < length)
 
 
 def prefill_attention(
     q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
     group: int | None = None, causal: bool = True, mask: mx.array | None = None,
+    queries: int | None = None,
 ) -> mx.array:
     """A prefill pass's attention: ``q`` (prompts, heads, L, dim), the queries of the
     last L of the keys' columns; ``keys``/``values`` (prompts, kv_heads, columns, dim).
@@ -318,21 +404,26 @@ def prefill_attention(
     row allows. Returns (prompts * L, heads * dim): each query's heads side by side, as
     the output projection takes them. A query reads its prompt's keys only, so other
     prompts in the pass never change it; and its sums follow the columns it sees, not
-    how they are given (a causal count, a window or a mask)."""
+    how they are given (a causal count, a window or a mask), nor which queries share
+    its block (``queries`` per block: default ``queries_per_block``)."""
     prompts, heads, length, dim = q.shape
-    template = [("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
+    group = group or heads_per_block(heads, keys.shape[1], dim)
+    queries = queries or queries_per_block(group, dim, q.dtype, length)
+    template = [("QQ", queries), ("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
     inputs = [q, keys, values]
     if mask is not None:
         inputs.append(mask)
         template.append(("MASK_ROWS", mask.shape[0]))
     opening = "prefill" if mask is None else "masked"
-    return _attention(_kernels(scale, opening), inputs, prompts * length, heads, dim, group,
-                      template)
+    blocks = prompts * -(-length // queries)
+    return _attention(_kernels(scale, opening), inputs, prompts * length, blocks, heads, dim,
+                      group, template)
 
 
-def _attention(kernels, inputs: list, rows: int, heads: int, dim: int, group: int | None,
-               template: list) -> mx.array:
-    """Pass 1 then pass 2 over ``rows`` query rows (``inputs``: q, keys, values, ...)."""
+def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: int,
+               group: int | None, template: list) -> mx.array:
+    """Pass 1 (``blocks`` blocks of queries per chunk and group of heads) then pass 2
+    over ``rows`` query rows (``inputs``: q, keys, values, ...)."""
     q, keys = inputs[0], inputs[1]
     kv_heads, columns = keys.shape[1], keys.shape[2]
     chunks = max(1, -(-columns // CHUNK))
@@ -343,7 +434,7 @@ def _attention(kernels, inputs: list, rows: int, heads: int, dim: int, group: in
     (partial,) = partial_kernel(
         inputs=inputs,
         template=template,
-        grid=(chunks * WARPS * 32, heads // group, rows),
+        grid=(chunks * WARPS * 32, heads // group, blocks),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, heads, chunks, dim + 2)],
         output_dtypes=[mx.float32],
