@@ -139,12 +139,14 @@ _PREFILL_ROW = """
 """
 
 # Which columns of ``first .. count`` a prefill query attends to: all, or those its row
-# of ``mask`` (MASK_ROWS, L, columns: one row of masks, or one per prompt) allows.
+# of ``mask`` (1 or B, L, columns: one set of rows for every prompt, or one per prompt)
+# allows. The mask's first axis is read at run time: a template argument would compile
+# the kernel anew for every number of prompts sharing a pass.
 _ALL_VISIBLE = """
   auto visible = [](int, int) { return true; };
 """
 _MASK_VISIBLE = """
-  const bool* mask_rows = mask + ((size_t)(MASK_ROWS == 1 ? 0 : b) * L + q0) * columns;
+  const bool* mask_rows = mask + ((size_t)(mask_shape[0] == 1 ? 0 : b) * L + q0) * columns;
   auto visible = [&](int qq, int c) { return mask_rows[(size_t)qq * columns + c]; };
 """
 
@@ -410,10 +412,7 @@ def prefill_attention(
     group = group or heads_per_block(heads, keys.shape[1], dim)
     queries = queries or queries_per_block(group, dim, q.dtype, length)
     template = [("QQ", queries), ("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
-    inputs = [q, keys, values]
-    if mask is not None:
-        inputs.append(mask)
-        template.append(("MASK_ROWS", mask.shape[0]))
+    inputs = [q, keys, values] + ([] if mask is None else [mask])
     opening = "prefill" if mask is None else "masked"
     blocks = prompts * -(-length // queries)
     return _attention(_kernels(scale, opening), inputs, prompts * length, blocks, heads, dim,
