@@ -59,6 +59,7 @@ def layout(rows: int, width: int) -> tuple[int, int, int]:
     tiles = next((t for t in ROW_TILES if rows <= t * 16), ROW_TILES[-1])
     return tiles, 4, warps_for(width)
 
+
 _HEADER = """
 // One m16n8k16 tensor-core multiply-add into float32 sums; the last argument picks the
 // input type.

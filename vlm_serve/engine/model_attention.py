@@ -24,12 +24,18 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm.models.base
+import mlx_vlm.models.base
 
 from .decode import cuda_attention
 
 log = logging.getLogger("vlm_serve.engine")
 
 NAME = "scaled_dot_product_attention"  # what mlx-vlm's (and mlx-lm's) layers call
+# The functions routed, wherever a module has imported them (a function of a model's own
+# under that name is left alone: its arguments may mean something else).
+ROUTABLE = {mlx_vlm.models.base.scaled_dot_product_attention,
+            mlx_lm.models.base.scaled_dot_product_attention}
 MAX_QUERIES = 65_535  # the kernel's rows per pass (CUDA's grid z)
 
 
@@ -46,8 +52,8 @@ def route(language_model: nn.Module) -> list[str]:
     for name in sorted({type(m).__module__ for _, m in language_model.named_modules()}):
         module = sys.modules.get(name)
         original = getattr(module, NAME, None)
-        if original is None or getattr(original, "routed_from", None) is not None:
-            continue
+        if original not in ROUTABLE:
+            continue  # none, already routed, or the model's own
         setattr(module, NAME, exact_attention(original))
         routed.append(name)
     return routed
