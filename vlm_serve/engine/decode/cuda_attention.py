@@ -388,9 +388,15 @@ def queries_per_block(group: int, dim: int, dtype: mx.Dtype, length: int) -> int
     the same bits."""
     step = 16 // dtype.size if dim % (16 // dtype.size) == 0 else 1
     per_query = group * -(-dim // (32 * step)) * step  # a lane's weighted values
-    fits = [n for n in (8, 4, 2, 1) if n <= MAX_QUERIES_PER_BLOCK
-            and n * per_query <= 64 and (n + WARPS) * group * dim * 4 <= 40 * 1024]
+    fits = [n for n in (8, 4, 2, 1) if n <= min(MAX_QUERIES_PER_BLOCK, queries_in_shared_memory(group, dim))
+            and n * per_query <= 64]
     return next(n for n in fits if n == 1 or n // 2 < length)
+
+
+def queries_in_shared_memory(group: int, dim: int) -> int:
+    """The most queries a block of ``group`` heads of ``dim`` can hold beside its warps'
+    sums in 40 KB of shared memory (of the 48 KB a kernel may declare)."""
+    return max(1, (40 * 1024) // (4 * group * dim) - WARPS)
 
 
 def prefill_attention(
