@@ -6,10 +6,10 @@ printed with the first row count whose row 0 has the same bits (one class per ke
 choice). ``--timing``: ms per call of each at decode and prefill row counts (20 calls
 per evaluation, after a warm-up). ``--layouts``: the same per call for each choice of
 column tiles and warps per block (``cuda_matmul.layout``), with whether its bits equal
-the default layout's. ``--staged`` (with ``--timing``): the kernel that stages its
-chunks in shared memory too.
+the default layout's. ``--variants`` (with ``--timing``): the kernel variants that are
+off by default too (``VARIANTS``), each with whether its bits are the default's.
 
-    python bench/matmul_rows.py --classes --timing --staged --layouts
+    python bench/matmul_rows.py --classes --timing --variants --layouts
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def main() -> None:
     p.add_argument("--classes", action="store_true")
     p.add_argument("--timing", action="store_true")
     p.add_argument("--layouts", action="store_true")
-    p.add_argument("--staged", action="store_true",
-                   help="with --timing: the staged kernel too, and whether its bits are the same")
+    p.add_argument("--variants", action="store_true",
+                   help="with --timing: the variants that are off by default too, and whether "
+                        "their bits are the default's")
     args = p.parse_args()
     if not cuda_matmul.available():
         raise SystemExit("needs MLX's CUDA backend")
@@ -90,26 +91,39 @@ def main() -> None:
                     theirs = per_call_ms(module, inputs)
                     line = (f"{'4-bit' if bits else 'bf16'} {width}x{out} rows {m}: MLX {theirs:.3f} ms, "
                             f"exact {ours:.3f} ms ({ours / theirs:.2f}x)")
-                    if not bits and args.staged:
-                        line += ", staged " + staged_timing(module, inputs, theirs)
+                    if args.variants:
+                        line += "".join(f", {name} " + variant_timing(settings, module, inputs, theirs)
+                                        for name, settings in VARIANTS.items())
                     print(line, flush=True)
 
     if args.layouts:
         layouts()
 
 
-def staged_timing(module, inputs: list[mx.array], mlx_ms: float) -> str:
-    """The staged kernel's ms per call on ``inputs`` (``cuda_matmul.STAGED_MIN_ROWS``
-    set to take every row count), and whether it gives the one-pass kernel's bits."""
-    default = cuda_matmul.STAGED_MIN_ROWS
-    one_pass = cuda_matmul.linear(inputs[0], module)
-    cuda_matmul.STAGED_MIN_ROWS = 1
+# The kernel variants that are off by default, as the module settings that turn them on:
+# the staged kernel at every row count (plain weights), the next chunk's rows loaded
+# ahead for blocks of up to two tiles, and that with blocks of at most 32 rows.
+VARIANTS = {
+    "staged": {"STAGED_MIN_ROWS": 1},
+    "prefetch": {"PREFETCH_ROWS_MAX_TILES": 2},
+    "prefetch32": {"PREFETCH_ROWS_MAX_TILES": 2, "ROW_TILES": (1, 2)},
+}
+
+
+def variant_timing(settings: dict, module, inputs: list[mx.array], mlx_ms: float) -> str:
+    """ms per call on ``inputs`` with ``cuda_matmul`` set as ``settings``, and whether
+    the result has the default kernel's bits."""
+    default = cuda_matmul.linear(inputs[0], module)
+    saved = {name: getattr(cuda_matmul, name) for name in settings}
+    for name, value in settings.items():
+        setattr(cuda_matmul, name, value)
     try:
         ms = per_call_ms(lambda v: cuda_matmul.linear(v, module), inputs)
-        same = mx.array_equal(cuda_matmul.linear(inputs[0], module), one_pass).item()
+        same = mx.array_equal(cuda_matmul.linear(inputs[0], module), default).item()
     finally:
-        cuda_matmul.STAGED_MIN_ROWS = default
-    return f"{ms:.3f} ms ({ms / mlx_ms:.2f}x, {'same bits' if same else 'OTHER BITS'})"
+        for name, value in saved.items():
+            setattr(cuda_matmul, name, value)
+    return f"{ms:.3f} ms ({ms / mlx_ms:.2f}x{'' if same else ', OTHER BITS'})"
 
 
 def layouts() -> None:

@@ -90,6 +90,24 @@ def test_the_staged_kernel_gives_the_same_bits(width, out, bias, dtype, monkeypa
         assert mx.array_equal(staged, one_pass).item(), f"{m} rows"
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_rows_loaded_ahead_give_the_same_bits(bits, monkeypatch):
+    """Blocks of few rows may load the next chunk's rows with its weights: every output
+    the same to the bit as loading them just before their multiply-adds, blocks of up
+    to 32 rows included."""
+    layer = _layer(2560, 1024, mx.bfloat16, True, bits)
+    x = _rows(130, 2560, mx.bfloat16)
+    for m in (1, 7, 16, 17, 33, 64, 130):
+        default = cuda_matmul.linear(x[:m], layer)
+        with monkeypatch.context() as patch:
+            patch.setattr(cuda_matmul, "PREFETCH_ROWS_MAX_TILES", 2)
+            ahead = cuda_matmul.linear(x[:m], layer)
+            patch.setattr(cuda_matmul, "ROW_TILES", (1, 2))
+            small_blocks = cuda_matmul.linear(x[:m], layer)
+        assert mx.array_equal(ahead, default).item(), f"{m} rows"
+        assert mx.array_equal(small_blocks, default).item(), f"{m} rows, blocks of 32"
+
+
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (4, 128), (8, 64)])
 def test_quantized_weights_match_mlx_and_each_row_is_exact(bits, group):
     layer = _layer(2560, 1024, mx.bfloat16, True, bits, group)

@@ -133,35 +133,51 @@ _SOURCE = """
       }
     }
   };
-  unsigned b[FT][8], next[FT][8];
-  if (warp < CHUNKS) load_weights(b, warp);
-  for (int c = warp; c < CHUNKS; c += WARPS) {
+  // Rows r0 and r0 + 8 of each tile at chunk c for this lane, into a (zeros past M).
+  auto load_rows = [&](unsigned (*a)[2][8], int c) {
     const int k = c * 64 + 16 * t;
-    if (c + WARPS < CHUNKS) load_weights(next, c + WARPS);
     for (int i = 0; i < TILES; ++i) {
-      const int r0 = m0 + i * 16 + g, r1 = r0 + 8;
-      unsigned a0[8], a1[8];
-      if (r0 < M) {
-        const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r0 * K + k);
-        *reinterpret_cast<uint4*>(&a0[0]) = p[0];
-        *reinterpret_cast<uint4*>(&a0[4]) = p[1];
-      } else {
-        for (int e = 0; e < 8; ++e) a0[e] = 0u;
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + i * 16 + g + 8 * h;
+        if (r < M) {
+          const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r * K + k);
+          *reinterpret_cast<uint4*>(&a[i][h][0]) = p[0];
+          *reinterpret_cast<uint4*>(&a[i][h][4]) = p[1];
+        } else {
+          for (int e = 0; e < 8; ++e) a[i][h][e] = 0u;
+        }
       }
-      if (r1 < M) {
-        const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r1 * K + k);
-        *reinterpret_cast<uint4*>(&a1[0]) = p[0];
-        *reinterpret_cast<uint4*>(&a1[4]) = p[1];
-      } else {
-        for (int e = 0; e < 8; ++e) a1[e] = 0u;
-      }
+    }
+  };
+  // Where PREFETCH_ROWS, the next chunk's rows are in flight with its weights (registers
+  // for a few tiles); else each chunk's rows load just before its multiply-adds. The
+  // same operands in the same order either way.
+  unsigned b[FT][8], next[FT][8];
+  unsigned rows[TILES][2][8], next_rows[PREFETCH_ROWS ? TILES : 1][2][8];
+  if (warp < CHUNKS) {
+    load_weights(b, warp);
+    if constexpr (PREFETCH_ROWS) load_rows(rows, warp);
+  }
+  for (int c = warp; c < CHUNKS; c += WARPS) {
+    if (c + WARPS < CHUNKS) {
+      load_weights(next, c + WARPS);
+      if constexpr (PREFETCH_ROWS) load_rows(next_rows, c + WARPS);
+    }
+    if constexpr (!PREFETCH_ROWS) load_rows(rows, c);
+    for (int i = 0; i < TILES; ++i) {
       for (int j = 0; j < 4; ++j) {
-        const unsigned a[4] = {a0[2 * j], a1[2 * j], a0[2 * j + 1], a1[2 * j + 1]};
+        const unsigned a[4] = {rows[i][0][2 * j], rows[i][1][2 * j], rows[i][0][2 * j + 1],
+                               rows[i][1][2 * j + 1]};
         for (int f = 0; f < FT; ++f) mma16816(acc[i][f], a, b[f][2 * j], b[f][2 * j + 1], T());
       }
     }
     for (int f = 0; f < FT; ++f)
       for (int e = 0; e < 8; ++e) b[f][e] = next[f][e];
+    if constexpr (PREFETCH_ROWS) {
+      for (int i = 0; i < TILES; ++i)
+        for (int h = 0; h < 2; ++h)
+          for (int e = 0; e < 8; ++e) rows[i][h][e] = next_rows[i][h][e];
+    }
   }
   TAIL
   // The warps' sums meet in halves, a tile at a time, in a fixed order: with four
@@ -394,10 +410,18 @@ def fits(module: nn.Module, dtype: mx.Dtype) -> bool:
             and dtype in (mx.bfloat16, mx.float16))
 
 
+# Blocks of at most this many tiles of 16 rows load the next chunk's rows with its weights,
+# ahead of this chunk's multiply-adds: the same operands in the same order, so the same
+# bits. Registers a thread (nvcc for sm_90, bf16): 126 / 174 at one / two tiles against
+# 112 / 130 without; four tiles would spill. 0 (never) until a GPU run has shown the
+# bits and measured it (``bench/gpu/kernel_variants.sh``; with ``ROW_TILES = (1, 2)``
+# the decode step's 64-128 rows take it too, in blocks of 32).
+PREFETCH_ROWS_MAX_TILES = 0
+
 # Rows from which plain weights take the staged kernel (``_SOURCE_STAGED``): None keeps
 # every row count on ``_SOURCE``. The two give the same bits by construction; the staged
-# one has not yet been compiled on a GPU, so it stays off until it has been shown to
-# give them (``tests/test_cuda_matmul.py``) and measured (``bench/matmul_rows.py``).
+# one has not yet run on a GPU, so it stays off until it has been shown to give them
+# (``tests/test_cuda_matmul.py``) and measured (``bench/gpu/kernel_variants.sh``).
 STAGED_MIN_ROWS: int | None = None
 
 
@@ -474,7 +498,7 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
         out = _kernel(bias is not None, "quantized" if quantized else "plain")(
             **common,
             template=[("T", x.dtype), *template, ("TILES", tiles), ("FT", column_tiles),
-                      ("WARPS", warps)],
+                      ("WARPS", warps), ("PREFETCH_ROWS", tiles <= PREFETCH_ROWS_MAX_TILES)],
             grid=(-(-n // (8 * column_tiles)) * warps * 32, max(1, -(-m // (tiles * 16))), 1),
             threadgroup=(warps * 32, 1, 1),
         )[0]

@@ -375,7 +375,7 @@ def decode_attention(
 # The most queries of a prefill pass a block of pass 1 takes by default. Several give each
 # query the same bits by construction, but that has not yet been run on a GPU
 # (``tests/test_cuda_attention.py::test_queries_sharing_a_block_compute_what_each_
-# computes_alone``): until it has, one.
+# computes_alone``, ``bench/gpu/kernel_variants.sh``): until it has, one.
 MAX_QUERIES_PER_BLOCK = 1
 
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The kernel variants that stay off until a GPU run shows they give the default kernels'
+# bits: the matmul that stages its chunks in shared memory (cuda_matmul.STAGED_MIN_ROWS),
+# the next chunk's rows loaded ahead (cuda_matmul.PREFETCH_ROWS_MAX_TILES) and several
+# prefill queries per attention block (cuda_attention.MAX_QUERIES_PER_BLOCK). Their
+# bit-for-bit tests, their timings against the defaults, and one prefill pass and one
+# decode step of the Gemma-3-4B shape with each turned on.
+#   OUT=DIR bash bench/gpu/kernel_variants.sh
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu-kernel-variants}
+mkdir -p "$OUT"
+BIG=/tmp/vlm-bench-gemma3-4b
+[ -f $BIG/config.json ] || PYTHONPATH=$PWD python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out $BIG > /dev/null 2>&1
+
+echo "== the same bits as the defaults"
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matmul.py tests/test_cuda_attention.py \
+  -k "staged or ahead or queries_sharing" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+
+export PYTHONPATH=$PWD
+echo "== matmul per call"
+python3 bench/matmul_rows.py --timing --variants 2>&1 | tee "$OUT/matmul.txt"
+echo "== 34 layers' prefill attention"
+python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 2>&1 | tee "$OUT/attention.txt"
+
+# A bench script with the variants named turned on: "staged" (the staged matmul from 64
+# rows), "ahead" (rows loaded ahead, blocks of at most 32 rows), "queries" (up to 8 prefill
+# queries a block), "all", or "default".
+with_variants() {
+  local variants=$1 script=$2
+  shift 2
+  python3 - "$variants" "$script" "$@" <<'PY'
+import runpy
+import sys
+
+from vlm_serve.engine import cuda_matmul
+from vlm_serve.engine.decode import cuda_attention
+
+variants, script = sys.argv[1], sys.argv[2]
+if variants in ("staged", "all"):
+    cuda_matmul.STAGED_MIN_ROWS = 64
+if variants in ("ahead", "all"):
+    cuda_matmul.PREFETCH_ROWS_MAX_TILES, cuda_matmul.ROW_TILES = 2, (1, 2)
+if variants in ("queries", "all"):
+    cuda_attention.MAX_QUERIES_PER_BLOCK = 8
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+PY
+}
+
+for variants in default staged queries all; do
+  echo "== $variants: one prefill pass"
+  with_variants $variants bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
+    --out "$OUT/prefill-$variants.json" 2>&1 | tail -4
+done
+for variants in default ahead staged; do
+  echo "== $variants: decode step"
+  with_variants $variants bench/decode_step.py --model $BIG --batch-sizes 1,64,128 --columns engine \
+    --steps 32 2>&1 | grep -E "^[0-9]+ " | tee "$OUT/decode-$variants.txt"
+done
