@@ -3,8 +3,8 @@ at B rows of ~330-360 keys in a store of 512 columns: the engine's CUDA kernels 
 MLX's own single-query kernel on rows of one length (352 keys), and the step's 68 KV
 writes (``put_along_axis`` into the store, in place). ``--prefill-lengths``: one first
 prefill pass of each length through 34 layers, the engine's prefill kernel at 1, 2, 4
-and 8 queries per block (and whether each gives the bits of 1) against MLX's causal
-attention. CUDA only.
+and 8 queries per block (and whether each gives the bits of 1) and its tensor-core
+kernel, against MLX's causal attention. CUDA only.
 
     python bench/attention_kernels.py [--batch-sizes 1,64,128] [--prefill-lengths 270,2048]
 """
@@ -16,7 +16,11 @@ import time
 
 import mlx.core as mx
 
-from vlm_serve.engine.decode.cuda_attention import decode_attention, prefill_attention
+from vlm_serve.engine.decode.cuda_attention import (
+    decode_attention,
+    flash_prefill_attention,
+    prefill_attention,
+)
 
 LAYERS, HEADS, KV_HEADS, DIM, COLUMNS, SCALE = 34, 8, 4, 256, 512, 0.0625
 
@@ -83,10 +87,12 @@ def prefill(length: int) -> None:
         one = out if one is None else one
         same = mx.array_equal(out, one).item()
         cells.append(f"{queries} a block {ms:.2f} ms{'' if same else ' (OTHER BITS)'}")
+    flash_ms = timed(lambda: [flash_prefill_attention(q[i], keys[i], values[i], SCALE)
+                              for i in range(LAYERS)], reps=5)
     mlx_ms = timed(lambda: [mx.fast.scaled_dot_product_attention(q[i], keys[i], values[i], scale=SCALE,
                                                                   mask="causal") for i in range(LAYERS)], reps=5)
-    print(f"prefill {length} tokens: engine kernel " + ", ".join(cells) + f"; MLX {mlx_ms:.2f} ms",
-          flush=True)
+    print(f"prefill {length} tokens: engine kernel " + ", ".join(cells)
+          + f"; tensor-core kernel {flash_ms:.2f} ms; MLX {mlx_ms:.2f} ms", flush=True)
 
 
 if __name__ == "__main__":

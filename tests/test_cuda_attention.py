@@ -200,3 +200,48 @@ def test_queries_sharing_a_block_compute_what_each_computes_alone(heads, kv_head
         for queries in [n for n in (2, 4, 8) if n <= most]:
             shared = cuda_attention.prefill_attention(q, keys, values, dim**-0.5, queries=queries, **kwargs)
             assert mx.array_equal(shared, alone).item(), f"{queries} queries a block, {kwargs.keys()}"
+
+
+# -- the tensor-core prefill kernel (off by default: cuda_attention.FLASH_PREFILL) ------
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (28, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("columns, length, window", [(64, 64, None), (352, 64, None), (427, 300, 128),
+                                                     (40, 1, None), (700, 100, None)])
+def test_flash_prefill_matches_mlx_attention(heads, kv_heads, dim, columns, length, window):
+    rng = np.random.default_rng(columns + length + dim)
+    q, keys, values = _pass(rng, 2, heads, kv_heads, dim, columns, length, mx.bfloat16)
+    ours = cuda_attention.flash_prefill_attention(q, keys, values, dim**-0.5, window)
+    theirs = _prefill_reference(q, keys, values, dim**-0.5, window)
+    np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)),
+                               atol=2e-2, rtol=2e-2)
+    mask = _visible(rng, 2, length, columns)
+    ours = cuda_attention.flash_prefill_attention(q, keys, values, dim**-0.5, causal=False, mask=mask)
+    with mx.stream(mx.cpu):
+        theirs = cuda_attention.reference_prefill_attention(q, keys, values, dim**-0.5, causal=False,
+                                                            mask=mask)
+    np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_flash_prefill_gives_a_query_the_same_bits_in_any_pass(window):
+    """Alone or padded beside other prompts, as a count or as a mask, and from a cache
+    (the same prompt's last queries in a pass of their own, as after a prefix-cache hit)."""
+    rng = np.random.default_rng(5)
+    columns, length = 520, 300
+    q, keys, values = _pass(rng, 3, 8, 4, 256, columns, length, mx.bfloat16)
+    flash = cuda_attention.flash_prefill_attention
+    together = flash(q, keys, values, 1 / 16, window)
+    for i in range(3):
+        alone = flash(q[i:i + 1], keys[i:i + 1], values[i:i + 1], 1 / 16, window)
+        assert mx.array_equal(alone, together[length * i:length * (i + 1)]).item(), f"prompt {i}"
+    own = np.arange(columns - length, columns)[:, None]
+    mask = np.arange(columns)[None, :] <= own
+    if window:
+        mask &= np.arange(columns)[None, :] > own - window
+    masked = flash(q, keys, values, 1 / 16, causal=False, mask=mx.array(mask[None]))
+    assert mx.array_equal(masked, together).item()
+    # The last 37 queries of prompt 0 alone, on the keys up to the last one's.
+    tail = flash(q[:1, :, -37:], keys[:1], values[:1], 1 / 16, window)
+    assert mx.array_equal(tail, together[length - 37:length]).item()

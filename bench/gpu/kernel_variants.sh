@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The kernel variants that stay off until a GPU run shows they give the default kernels'
 # bits: the matmul that stages its chunks in shared memory (cuda_matmul.STAGED_MIN_ROWS),
-# the next chunk's rows loaded ahead (cuda_matmul.PREFETCH_ROWS_MAX_TILES) and several
-# prefill queries per attention block (cuda_attention.MAX_QUERIES_PER_BLOCK). Their
+# the next chunk's rows loaded ahead (cuda_matmul.PREFETCH_ROWS_MAX_TILES), several
+# prefill queries per attention block (cuda_attention.MAX_QUERIES_PER_BLOCK) and the
+# tensor-core prefill attention (cuda_attention.FLASH_PREFILL). Their
 # bit-for-bit tests, their timings against the defaults, and one prefill pass and one
 # decode step of the Gemma-3-4B shape with each turned on.
 #   OUT=DIR bash bench/gpu/kernel_variants.sh
@@ -14,7 +15,7 @@ BIG=/tmp/vlm-bench-gemma3-4b
 
 echo "== the same bits as the defaults"
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matmul.py tests/test_cuda_attention.py \
-  -k "staged or ahead or queries_sharing" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+  -k "staged or ahead or queries_sharing or flash" 2>&1 | tail -3 | tee "$OUT/tests.txt"
 
 export PYTHONPATH=$PWD
 echo "== matmul per call"
@@ -24,7 +25,8 @@ python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 2
 
 # A bench script with the variants named turned on: "staged" (the staged matmul from 64
 # rows), "ahead" (rows loaded ahead, blocks of at most 32 rows), "queries" (up to 8 prefill
-# queries a block), "all", or "default".
+# queries a block), "flash" (the tensor-core prefill attention), "all" (staged, ahead,
+# flash), or "default".
 with_variants() {
   local variants=$1 script=$2
   shift 2
@@ -40,14 +42,16 @@ if variants in ("staged", "all"):
     cuda_matmul.STAGED_MIN_ROWS = 64
 if variants in ("ahead", "all"):
     cuda_matmul.PREFETCH_ROWS_MAX_TILES, cuda_matmul.ROW_TILES = 2, (1, 2)
-if variants in ("queries", "all"):
+if variants == "queries":
     cuda_attention.MAX_QUERIES_PER_BLOCK = 8
+if variants in ("flash", "all"):
+    cuda_attention.FLASH_PREFILL = True
 sys.argv = [script, *sys.argv[3:]]
 runpy.run_path(script, run_name="__main__")
 PY
 }
 
-for variants in default staged queries all; do
+for variants in default staged queries flash all; do
   echo "== $variants: one prefill pass"
   with_variants $variants bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
     --out "$OUT/prefill-$variants.json" 2>&1 | tail -4

@@ -60,7 +60,9 @@ def layout(rows: int, width: int) -> tuple[int, int, int]:
     return tiles, 4, warps_for(width)
 
 
-_HEADER = """
+# One m16n8k16 tensor-core multiply-add into float32 sums; the last argument picks the
+# input type. (Also the engine's tensor-core attention: ``decode/cuda_attention.py``.)
+MMA = """
 // One m16n8k16 tensor-core multiply-add into float32 sums; the last argument picks the
 // input type.
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1, __nv_bfloat16) {
@@ -78,7 +80,9 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+"""
 
+_HEADER = MMA + """
 // 16 bytes from global to shared memory without passing through registers (sm_80+);
 // zeros where not `valid` (nothing is read then).
 __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {

@@ -35,7 +35,9 @@ each key and value a lane loads serves all of them, and each query's sums run as
 would in a block of its own (a column it does not see adds exact zeros), so the number
 never changes its bits. Long passes take it where the engine keeps rows exact
 (``row_exact``, and ``model_attention`` for the families whose prefill is mlx-vlm's
-own code).
+own code). Its sums run on CUDA cores, query by query; a tensor-core kernel for the
+same passes (``_FLASH``, off until run on a GPU: ``FLASH_PREFILL``) keeps each query's
+bits independent of the others the same way.
 """
 
 from __future__ import annotations
@@ -323,6 +325,191 @@ _COMBINE = """
 """
 
 
+# A prefill pass on tensor cores (bfloat16/float16, head dims of 16 to 256 in steps of
+# 16): one block per 64 queries of a (prompt, head), a warp per 16 of them. Key tiles of
+# KB columns from column 0 are staged in shared memory for the block's warps; each warp
+# multiplies its queries by a tile's keys (``mma.sync``), folds the scores into a running
+# max and sum per query (online softmax, float32), rounds the weights to T and multiplies
+# them by the tile's values into float32 sums. The instruction takes each query row on
+# its own, and the row's max and sum meet only the row's own values (its four lanes, in a
+# fixed order), so a query's bits follow its own keys and what it sees: a tile it sees
+# nothing of (one another query of its warp needs) adds exact zeros to it.
+_FLASH = """
+  constexpr int KB = 32;  // keys per tile
+  constexpr int ROWS = 64;  // queries per block: 16 per warp
+  constexpr int NT = KB / 8;  // tiles of 8 keys in a tile's scores
+  constexpr int DT = D / 8;  // tiles of 8 dims in a query's sums
+  constexpr int STRIDE = D + 8;  // elements per staged row: 16 bytes of padding
+  __shared__ uint4 k_words[KB * STRIDE * sizeof(T) / 16];
+  __shared__ uint4 v_words[KB * STRIDE * sizeof(T) / 16];
+  T (*ks)[STRIDE] = reinterpret_cast<T (*)[STRIDE]>(k_words);
+  T (*vs)[STRIDE] = reinterpret_cast<T (*)[STRIDE]>(v_words);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int L = q_shape[2], heads = gridDim.y, columns = keys_shape[2];
+  const int head = blockIdx.y, b = blockIdx.z;
+  const int kv_head = head / (heads / KV_HEADS);
+  const int q0 = blockIdx.x * ROWS;
+  const int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};  // this lane's queries
+  const T* q_b = q + ((size_t)b * heads + head) * L * D;
+  const T* k_b = keys + ((size_t)b * KV_HEADS + kv_head) * columns * D;
+  const T* v_b = values + ((size_t)b * KV_HEADS + kv_head) * columns * D;
+
+  // The columns query qi may see: first .. count - 1, and where `visible` allows.
+  auto count_of = [&](int qi) { return qi >= L ? 0 : CAUSAL ? columns - L + qi + 1 : columns; };
+  auto first_of = [&](int qi) { return WINDOW > 0 ? max(0, count_of(qi) - WINDOW) : 0; };
+  VISIBLE
+  int first[2], count[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) first[h] = first_of(rows[h]), count[h] = count_of(rows[h]);
+  // The block's tiles: from the first column its first query may see to the last its
+  // last query may see (counts and windows only grow with the query).
+  const int last_q = min(q0 + ROWS, L) - 1;
+  const int tile_begin = first_of(q0) / KB, tile_end = (count_of(last_q) + KB - 1) / KB;
+
+  // Two elements as one register of the instruction's operands.
+  auto pack = [](T lo, T hi) {
+    T v[2] = {lo, hi};
+    return *reinterpret_cast<unsigned*>(v);
+  };
+  auto q_pair = [&](int row, int d) {
+    return row < L ? *reinterpret_cast<const unsigned*>(q_b + (size_t)row * D + d) : 0u;
+  };
+
+  float o[DT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int n = 0; n < DT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int c0 = tile * KB;
+    __syncthreads();  // the last tile's reads are done
+    for (int p = threadIdx.x; p < KB * D / 8; p += blockDim.x) {
+      const int r = p / (D / 8), e = (p % (D / 8)) * 8;
+      uint4 kw = make_uint4(0, 0, 0, 0), vw = make_uint4(0, 0, 0, 0);
+      if (c0 + r < columns) {
+        kw = *reinterpret_cast<const uint4*>(k_b + (size_t)(c0 + r) * D + e);
+        vw = *reinterpret_cast<const uint4*>(v_b + (size_t)(c0 + r) * D + e);
+      }
+      *reinterpret_cast<uint4*>(&ks[r][e]) = kw;
+      *reinterpret_cast<uint4*>(&vs[r][e]) = vw;
+    }
+    __syncthreads();
+
+    // Scores: s[n][e] is row rows[e / 2], column c0 + 8n + 2t + e % 2.
+    float s[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      const unsigned a[4] = {q_pair(rows[0], d0 + 2 * t), q_pair(rows[1], d0 + 2 * t),
+                             q_pair(rows[0], d0 + 2 * t + 8), q_pair(rows[1], d0 + 2 * t + 8)};
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const unsigned b0 = *reinterpret_cast<const unsigned*>(&ks[n * 8 + g][d0 + 2 * t]);
+        const unsigned b1 = *reinterpret_cast<const unsigned*>(&ks[n * 8 + g][d0 + 2 * t + 8]);
+        mma16816(s[n], a, b0, b1, T());
+      }
+    }
+    float top[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e / 2, c = c0 + n * 8 + 2 * t + e % 2;
+        const bool seen = c >= first[h] && c < count[h] && visible(rows[h], c);
+        s[n][e] = seen ? s[n][e] * SCALE : NEG_INF;
+        top[h] = fmaxf(top[h], s[n][e]);
+      }
+    }
+    float alpha[2], sum[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
+      top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
+      const float m_new = fmaxf(m[h], top[h]);
+      // A tile of columns the query has seen none of yet: nothing to rescale.
+      alpha[h] = m_new == NEG_INF ? 1.0f : expf(m[h] - m_new);
+      m[h] = m_new;
+      sum[h] = 0.0f;
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e / 2;
+        s[n][e] = s[n][e] == NEG_INF ? 0.0f : expf(s[n][e] - m[h]);
+        sum[h] += s[n][e];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // The quad's four partial sums, the same on every lane (a + b == b + a).
+      sum[h] += __shfl_xor_sync(0xffffffff, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffff, sum[h], 2);
+      l[h] = l[h] * alpha[h] + sum[h];
+    }
+#pragma unroll
+    for (int n = 0; n < DT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e / 2];
+    // The weights, rounded to T, times the tile's values: 16 keys per instruction.
+#pragma unroll
+    for (int kk = 0; kk < KB / 16; ++kk) {
+      const unsigned a[4] = {
+          pack(T(s[2 * kk][0]), T(s[2 * kk][1])), pack(T(s[2 * kk][2]), T(s[2 * kk][3])),
+          pack(T(s[2 * kk + 1][0]), T(s[2 * kk + 1][1])), pack(T(s[2 * kk + 1][2]), T(s[2 * kk + 1][3]))};
+      const int k0 = kk * 16 + 2 * t;
+#pragma unroll
+      for (int n = 0; n < DT; ++n) {
+        const int d = n * 8 + g;
+        const unsigned b0 = pack(vs[k0][d], vs[k0 + 1][d]);
+        const unsigned b1 = pack(vs[k0 + 8][d], vs[k0 + 9][d]);
+        mma16816(o[n], a, b0, b1, T());
+      }
+    }
+  }
+
+#pragma unroll
+  for (int n = 0; n < DT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = e / 2, row = rows[h];
+      if (row < L) {
+        const int d = n * 8 + 2 * t + e % 2;
+        const float value = l[h] > 0.0f ? o[n][e] / l[h] : 0.0f;  // a query that sees nothing: zeros
+        out[((size_t)(b * L + row) * heads + head) * D + d] = static_cast<T>(value);
+      }
+    }
+  }
+"""
+
+_FLASH_ALL_VISIBLE = """
+  auto visible = [](int, int) { return true; };
+"""
+_FLASH_MASK_VISIBLE = """
+  auto visible = [&](int qi, int c) {
+    return mask[((size_t)(mask_shape[0] == 1 ? 0 : b) * L + qi) * columns + c];
+  };
+"""
+
+
+@functools.cache
+def _flash_kernel(scale: float, masked: bool):
+    from ..cuda_matmul import MMA
+
+    tag = f"{float(scale)!r}".replace(".", "p").replace("-", "m")
+    return mx.fast.cuda_kernel(
+        name=f"vlm_flash_prefill_{'masked' if masked else 'plain'}_{tag}",
+        input_names=["q", "keys", "values"] + (["mask"] if masked else []),
+        output_names=["out"],
+        source=_FLASH.replace("  VISIBLE\n", _FLASH_MASK_VISIBLE if masked else _FLASH_ALL_VISIBLE),
+        header=_HEADER + MMA + f"#define SCALE {float(scale)!r}f\n",
+    )
+
+
 @functools.cache
 def _kernels(scale: float, opening: str = "decode"):
     """Pass 1 and pass 2 for one scale and one kind of row: "decode", "prefill" or
@@ -414,6 +601,8 @@ def prefill_attention(
     prompts in the pass never change it; and its sums follow the columns it sees, not
     how they are given (a causal count, a window or a mask), nor which queries share
     its block (``queries`` per block: default ``queries_per_block``)."""
+    if FLASH_PREFILL and flash_fits(q) and queries is None:
+        return flash_prefill_attention(q, keys, values, scale, window, causal, mask)
     prompts, heads, length, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     queries = queries or queries_per_block(group, dim, q.dtype, length)
@@ -423,6 +612,42 @@ def prefill_attention(
     blocks = prompts * -(-length // queries)
     return _attention(_kernels(scale, opening), inputs, prompts * length, blocks, heads, dim,
                       group, template)
+
+
+# Prefill passes of bfloat16/float16 queries of a head size the tensor-core kernel takes
+# run on it (``_FLASH``) rather than on the per-query kernel. Off until a GPU run has
+# shown its bits batched and alone and measured it (``tests/test_cuda_attention.py``,
+# ``bench/gpu/kernel_variants.sh``): its sums are its own (weights rounded to T, products
+# summed by the tensor cores), so turning it on changes every prefill pass's bits, the
+# same way alone and batched.
+FLASH_PREFILL = False
+
+
+def flash_fits(q: mx.array) -> bool:
+    """Whether the tensor-core prefill kernel takes queries like ``q``."""
+    dim = q.shape[-1]
+    return q.dtype in (mx.bfloat16, mx.float16) and dim % 16 == 0 and 16 <= dim <= 256
+
+
+def flash_prefill_attention(
+    q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
+    causal: bool = True, mask: mx.array | None = None,
+) -> mx.array:
+    """``prefill_attention`` on tensor cores (where ``flash_fits``): the same arguments
+    and the same result up to rounding; a query's bits follow only its own keys and the
+    columns it sees."""
+    prompts, heads, length, dim = q.shape
+    inputs = [q, keys, values] + ([] if mask is None else [mask])
+    (out,) = _flash_kernel(scale, mask is not None)(
+        inputs=inputs,
+        template=[("T", q.dtype), ("D", dim), ("KV_HEADS", keys.shape[1]), ("CAUSAL", causal),
+                  ("WINDOW", (window or 0) if causal else 0)],
+        grid=(-(-length // 64) * 128, heads, prompts),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(prompts * length, heads * dim)],
+        output_dtypes=[q.dtype],
+    )
+    return out
 
 
 def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: int,
