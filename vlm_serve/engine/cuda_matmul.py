@@ -28,6 +28,9 @@ Past ~64 rows that kernel is bound by reading its rows from global memory in eve
 block. A second kernel (``_SOURCE_STAGED``) adds the same terms in the same order from
 chunks staged in shared memory for all the warps of a block; it is off
 (``STAGED_MIN_ROWS``) until a GPU run has shown it gives the same bits and measured it.
+
+Without a GPU, ``tests/test_cuda_emulated.py`` runs these kernels' source on a CPU
+emulation of CUDA: which operands meet in which order, every variant against the default.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ never changes its bits. Long passes take it where the engine keeps rows exact
 (``row_exact``, and ``model_attention`` for the families whose prefill is mlx-vlm's
 own code). Its sums run on CUDA cores, query by query; a tensor-core kernel for the
 same passes (``_FLASH``, off until run on a GPU: ``FLASH_PREFILL``) keeps each query's
-bits independent of the others the same way.
+bits independent of the others the same way. Without a GPU, ``tests/
+test_cuda_emulated.py`` runs these kernels' source on a CPU emulation of CUDA.
 """
 
 from __future__ import annotations

@@ -1,0 +1,261 @@
+"""The engine's CUDA kernels, built from their own source strings, on the CPU emulation of
+``cuda_emulator.h`` (``tests/test_cuda_emulated.py``). Needs g++ with C++20 and the CUDA
+toolkit's headers (for the bfloat16 types); no GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from vlm_serve.engine import cuda_matmul
+from vlm_serve.engine.decode import cuda_attention
+
+HERE = Path(__file__).parent
+BF16 = "__nv_bfloat16"
+
+
+def cuda_include() -> str | None:
+    """A CUDA toolkit's include folder (``CUDA_HOME``, or the usual places)."""
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
+    return next((f"{r}/include" for r in roots if r and Path(f"{r}/include/cuda_bf16.h").exists()), None)
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None and cuda_include() is not None
+
+
+def build(source: str) -> ctypes.CDLL:
+    """``source`` compiled as a shared library (cached by its text)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / "vlm-serve-cuda-emulation"
+    folder.mkdir(exist_ok=True)
+    library = folder / f"{digest}.so"
+    if not library.exists():
+        cpp = folder / f"{digest}.cpp"
+        cpp.write_text(source)
+        subprocess.run(["g++", "-std=c++20", "-O2", "-fno-strict-aliasing", "-w", "-fPIC", "-shared",
+                        "-pthread", f"-I{cuda_include()}", f"-I{HERE}", str(cpp), "-o", str(library)],
+                       check=True)
+    return ctypes.CDLL(str(library))
+
+
+def to_bf16(a) -> np.ndarray:
+    """bfloat16 bits (round to nearest even) of ``a``."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _ptr(a: np.ndarray | None):
+    """A pointer to ``a``'s data, which the kernels read as a row-major array."""
+    if a is None:
+        return ctypes.c_void_p(0)
+    assert a.flags.c_contiguous, "the kernels take row-major arrays"
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+# -- the row-exact matmul -----------------------------------------------------------------
+
+
+class Matmul:
+    """``x @ W.T + bias`` (bfloat16, plain weights of ``width`` x ``out``) through each of
+    ``cuda_matmul``'s kernels, the launch as ``cuda_matmul.linear`` makes it."""
+
+    def __init__(self, width: int, out: int):
+        self.width, self.out = width, out
+        warps = cuda_matmul.warps_for(width)
+        pair = "template <typename T>" + cuda_matmul._HEADER.split("template <typename T>", 1)[1]
+        bias = "s += static_cast<float>(bias[col]);"
+        one_pass = (cuda_matmul._SOURCE.replace("LOAD_WEIGHTS", cuda_matmul._LOAD_PLAIN)
+                    .replace("TAIL", cuda_matmul._TAIL).replace("BIAS", bias))
+        staged = cuda_matmul._SOURCE_STAGED.replace("BIAS", bias)
+        args = "const T* x, const int* x_shape, const T* w, const T* bias, T* y"
+        launches = []
+        for tiles in (1, 2, 4, 8):
+            for ahead in (0, 1):
+                launches.append(
+                    f"if (kind == 0 && tiles == {tiles} && ahead == {ahead}) "
+                    f"launch({{{-(-out // 32)}u, (unsigned)((M + {16 * tiles - 1}) / {16 * tiles}), 1}}, "
+                    f"{{{warps * 32}, 1, 1}}, [&] {{ one_pass<{BF16}, {width}, {out}, {tiles}, 4, {warps}, "
+                    f"{'true' if ahead else 'false'}>(X, shape, W, Bias, Y); }});")
+                launches.append(
+                    f"if (kind == 1 && tiles == {tiles}) "
+                    f"launch({{{-(-out // 32)}u, (unsigned)((M + {16 * tiles - 1}) / {16 * tiles}), 1}}, "
+                    f"{{{tiles * 32}, 1, 1}}, [&] {{ staged<{BF16}, {width}, {out}, {tiles}, {warps}>"
+                    f"(X, shape, W, Bias, Y); }});")
+        body = "\n  ".join(launches)
+        self.lib = build(f"""#include "cuda_emulator.h"
+{pair}
+template <typename T, int K, int N, int TILES, int FT, int WARPS, bool PREFETCH_ROWS>
+void one_pass({args}) {{
+{one_pass}
+}}
+template <typename T, int K, int N, int RW, int WARPS>
+void staged({args}) {{
+{staged}
+}}
+extern "C" void matmul(const void* x, int M, const void* w, const void* bias, void* y, int kind, int tiles,
+                       int ahead) {{
+  int shape[2] = {{M, {width}}};
+  auto X = (const {BF16}*)x; auto W = (const {BF16}*)w; auto Bias = (const {BF16}*)bias; auto Y = ({BF16}*)y;
+  {body}
+}}
+""")
+
+    def __call__(self, x, w, bias, tiles: int, ahead: bool = False, staged: bool = False) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        y = np.zeros((x.shape[0], self.out), np.uint16)
+        self.lib.matmul(_ptr(x), ctypes.c_int(x.shape[0]), _ptr(w), _ptr(bias), _ptr(y),
+                        ctypes.c_int(int(staged)), ctypes.c_int(tiles), ctypes.c_int(int(ahead)))
+        return y
+
+
+# -- attention ----------------------------------------------------------------------------
+
+
+class Attention:
+    """``cuda_attention``'s prefill kernels (per query, with ``queries`` a block, and the
+    tensor-core one) and decode kernel, for bfloat16 with ``heads`` query heads, ``kv_heads``
+    key/value heads of ``dim``, scale ``scale``: each call launched as the module does."""
+
+    CASES = [(True, 0), (True, 48), (False, 0)]  # (causal, window) instantiated
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 64, scale: float = 0.125):
+        self.heads, self.kv_heads, self.dim, self.scale = heads, kv_heads, dim, scale
+        group = cuda_attention.heads_per_block(heads, kv_heads, dim)
+        a = cuda_attention
+        common = [BF16, dim, kv_heads, group, a.CHUNK, a.WARPS]
+        per_query, flash = [], []
+        for queries in (1, 2, 4):
+            for causal, window in self.CASES:
+                t = ", ".join(map(str, [*common, queries, str(causal).lower(), window]))
+                blocks = f"(unsigned)(B * ((L + {queries - 1}) / {queries}))"
+                per_query.append(
+                    f"if (queries == {queries} && causal == {int(causal)} && window == {window}) {{\n"
+                    f"    if (mask) launch({{chunks, {heads // group}, {blocks}}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{ "
+                    f"masked<{t}>(Q, qs, K, ks, V, mask, ms, partial.data()); }});\n"
+                    f"    else launch({{chunks, {heads // group}, {blocks}}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{ "
+                    f"prefill<{t}>(Q, qs, K, ks, V, partial.data()); }});\n  }}")
+        for causal, window in self.CASES:
+            t = f"{BF16}, {dim}, {kv_heads}, {str(causal).lower()}, {window}"
+            grid = f"{{(unsigned)((L + 63) / 64), {heads}, (unsigned)B}}"
+            flash.append(
+                f"if (causal == {int(causal)} && window == {window}) {{\n"
+                f"    if (mask) launch({grid}, {{128, 1, 1}}, [&] {{ flash_masked<{t}>(Q, qs, K, ks, V, mask, ms, O); }});\n"
+                f"    else launch({grid}, {{128, 1, 1}}, [&] {{ flash<{t}>(Q, qs, K, ks, V, O); }});\n  }}")
+        prefill_params = ("template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, "
+                          "bool CAUSAL, int WINDOW>")
+        flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW>"
+        qkv = "const T* q, const int* q_shape, const T* keys, const int* keys_shape, const T* values"
+        mask_args = "const bool* mask, const int* mask_shape"
+        row = a._COMMON + a._PREFILL_ROW
+        nl = "\n  "
+        self.lib = build(f"""#include "cuda_emulator.h"
+{a._HEADER}
+#define SCALE {float(scale)!r}f
+{prefill_params}
+void prefill({qkv}, float* partial) {{
+{row.replace("  VISIBLE" + chr(10), a._ALL_VISIBLE) + a._PARTIAL}
+}}
+{prefill_params}
+void masked({qkv}, {mask_args}, float* partial) {{
+{row.replace("  VISIBLE" + chr(10), a._MASK_VISIBLE) + a._PARTIAL}
+}}
+template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ>
+void decode(const T* q, const T* keys, const int* keys_shape, const T* values, const int* counts, float* partial) {{
+{a._COMMON + a._DECODE_ROW + a._PARTIAL}
+}}
+template <typename T, int D>
+void combine(const float* partial, const int* partial_shape, T* out) {{
+{a._COMBINE}
+}}
+{flash_params}
+void flash({qkv}, T* out) {{
+{a._FLASH.replace("  VISIBLE" + chr(10), a._FLASH_ALL_VISIBLE)}
+}}
+{flash_params}
+void flash_masked({qkv}, {mask_args}, T* out) {{
+{a._FLASH.replace("  VISIBLE" + chr(10), a._FLASH_MASK_VISIBLE)}
+}}
+static void combined(std::vector<float>& partial, int rows, unsigned chunks, void* out) {{
+  int ps[4] = {{rows, {heads}, (int)chunks, {dim} + 2}};
+  launch({{1, {heads}, (unsigned)rows}}, {{128, 1, 1}}, [&] {{ combine<{BF16}, {dim}>(partial.data(), ps, ({BF16}*)out); }});
+}}
+extern "C" void attend(const void* q, int B, int L, const void* k, const void* v, int N, const bool* mask,
+                       int mask_rows, int causal, int window, int queries, int tensor_cores, void* out) {{
+  int qs[4] = {{B, {heads}, L, {dim}}}, ks[4] = {{B, {kv_heads}, N, {dim}}}, ms[3] = {{mask_rows, L, N}};
+  auto Q = (const {BF16}*)q; auto K = (const {BF16}*)k; auto V = (const {BF16}*)v; auto O = ({BF16}*)out;
+  if (tensor_cores) {{
+  {nl.join(flash)}
+    return;
+  }}
+  const unsigned chunks = (N + {a.CHUNK - 1}) / {a.CHUNK};
+  std::vector<float> partial((size_t)B * L * {heads} * chunks * ({dim} + 2));
+  {nl.join(per_query)}
+  combined(partial, B * L, chunks, out);
+}}
+extern "C" void decode_rows(const void* q, int slots, const void* k, const void* v, int N, const int* counts,
+                            void* out) {{
+  int ks[4] = {{slots, {kv_heads}, N, {dim}}};
+  auto Q = (const {BF16}*)q; auto K = (const {BF16}*)k; auto V = (const {BF16}*)v;
+  const unsigned chunks = (N + {a.CHUNK - 1}) / {a.CHUNK};
+  std::vector<float> partial((size_t)slots * {heads} * chunks * ({dim} + 2));
+  launch({{chunks, {heads // group}, (unsigned)slots}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{
+    decode<{", ".join(map(str, common))}, 1>(Q, K, ks, V, counts, partial.data()); }});
+  combined(partial, slots, chunks, out);
+}}
+""")
+
+    def prefill(self, q, k, v, mask=None, causal=True, window=0, queries=1, tensor_cores=False):
+        """(B * L, heads * dim) bfloat16 bits: as ``cuda_attention.prefill_attention``
+        (``tensor_cores``: ``flash_prefill_attention``)."""
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+        B, _, L, _ = q.shape
+        out = np.zeros((B * L, self.heads * self.dim), np.uint16)
+        mask = None if mask is None else np.ascontiguousarray(mask, np.bool_)
+        self.lib.attend(_ptr(q), ctypes.c_int(B), ctypes.c_int(L), _ptr(k), _ptr(v), ctypes.c_int(k.shape[2]),
+                        _ptr(mask), ctypes.c_int(0 if mask is None else mask.shape[0]), ctypes.c_int(int(causal)),
+                        ctypes.c_int(window), ctypes.c_int(queries), ctypes.c_int(int(tensor_cores)), _ptr(out))
+        return out
+
+    def decode(self, q, k, v, counts) -> np.ndarray:
+        """(slots, heads * dim) bfloat16 bits: as ``cuda_attention.decode_attention``."""
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+        out = np.zeros((q.shape[0], self.heads * self.dim), np.uint16)
+        counts = np.ascontiguousarray(counts, np.int32)
+        self.lib.decode_rows(_ptr(q), ctypes.c_int(q.shape[0]), _ptr(k), _ptr(v), ctypes.c_int(k.shape[2]),
+                             _ptr(counts), _ptr(out))
+        return out
+
+    def reference(self, q, k, v, mask=None, causal=True, window=0) -> np.ndarray:
+        """The same attention in float64 (from the bfloat16 inputs)."""
+        B, _, L, _ = q.shape
+        N = k.shape[2]
+        repeat = self.heads // self.kv_heads
+        qf = from_bf16(q).astype(np.float64)
+        kf = np.repeat(from_bf16(k).astype(np.float64), repeat, axis=1)
+        vf = np.repeat(from_bf16(v).astype(np.float64), repeat, axis=1)
+        scores = np.einsum("bhld,bhnd->bhln", qf, kf) * self.scale
+        seen = np.ones((L, N), bool)
+        if causal:
+            own = np.arange(N - L, N)[:, None]
+            seen = np.arange(N)[None] <= own
+            if window:
+                seen &= np.arange(N)[None] > own - window
+        seen = seen[None, None] if mask is None else seen[None, None] & np.asarray(mask)[:, None]
+        scores = np.where(seen, scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        out = np.einsum("bhln,bhnd->bhld", weights, vf)
+        return out.transpose(0, 2, 1, 3).reshape(B * L, self.heads * self.dim)

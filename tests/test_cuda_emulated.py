@@ -1,0 +1,116 @@
+"""The engine's CUDA kernels on a CPU emulation of CUDA (``kernel_emulation.py``): what a
+kernel's structure promises, checked without a GPU. A row's bits must not depend on
+what shares its batch, and a variant that claims to add the same terms in the same
+order as the default kernel must give its bits. The emulation runs the kernels' own
+source strings. Its mma adds in an order of its own, so these checks say which operands
+meet in which order, not what the hardware rounds; ``tests/test_cuda_matmul.py`` and
+``tests/test_cuda_attention.py`` check that on a GPU. Needs g++ and the CUDA toolkit's
+headers, and ``VLM_SERVE_SLOW_TESTS=1``: a few hundred emulated threads take 2-3 minutes
+on two cores (skipped otherwise, CI included). Run it after changing a kernel:
+
+    VLM_SERVE_SLOW_TESTS=1 python -m pytest -q tests/test_cuda_emulated.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import kernel_emulation as emulation
+
+pytestmark = [
+    pytest.mark.skipif(not emulation.available(), reason="needs g++ and the CUDA toolkit's headers"),
+    pytest.mark.skipif(not os.environ.get("VLM_SERVE_SLOW_TESTS"), reason="VLM_SERVE_SLOW_TESTS=1"),
+]
+
+
+def _bf16(rng, *shape, scale: float = 1.0) -> np.ndarray:
+    return emulation.to_bf16(rng.standard_normal(shape) * scale)
+
+
+@pytest.mark.parametrize("width, out", [(640, 72), (4096, 40)])  # four warps, eight
+def test_matmul_variants_give_the_default_kernels_bits(width, out):
+    """Every tile count, rows loaded ahead and the staged kernel: the same bits as the
+    default layout, for a batch and for each row alone, and close to float64."""
+    matmul = emulation.Matmul(width, out)
+    rng = np.random.default_rng(width)
+    w, bias = _bf16(rng, out, width, scale=width**-0.5), _bf16(rng, out)
+    for rows in (7, 40):
+        x = _bf16(rng, rows, width)
+        default = matmul(x, w, bias, tiles=next(t for t in (1, 2, 4, 8) if rows <= 16 * t))
+        exact = emulation.from_bf16(x).astype(np.float64) @ emulation.from_bf16(w).astype(np.float64).T
+        np.testing.assert_allclose(emulation.from_bf16(default), exact + emulation.from_bf16(bias),
+                                   atol=3e-2, rtol=2e-2)
+        for tiles in (1, 2, 4, 8):
+            assert np.array_equal(matmul(x, w, bias, tiles), default), f"{tiles} tiles"
+            assert np.array_equal(matmul(x, w, bias, tiles, staged=True), default), f"staged, {tiles} tiles"
+        for tiles in (1, 2):
+            assert np.array_equal(matmul(x, w, bias, tiles, ahead=True), default), f"ahead, {tiles} tiles"
+        for i in (0, rows - 1):
+            assert np.array_equal(matmul(x[i:i + 1], w, bias, 1)[0], default[i]), f"row {i} alone"
+
+
+@pytest.fixture(scope="module")
+def attention():
+    return emulation.Attention()
+
+
+def _pass(rng, attention, prompts: int, length: int, columns: int):
+    return (_bf16(rng, prompts, attention.heads, length, attention.dim),
+            _bf16(rng, prompts, attention.kv_heads, columns, attention.dim),
+            _bf16(rng, prompts, attention.kv_heads, columns, attention.dim))
+
+
+def _causal_as_mask(length: int, columns: int, window: int) -> np.ndarray:
+    own = np.arange(columns - length, columns)[:, None]
+    mask = np.arange(columns)[None] <= own
+    if window:
+        mask &= np.arange(columns)[None] > own - window
+    return mask[None]
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_prefill_attention_gives_a_query_the_same_bits_in_any_pass(attention, tensor_cores):
+    """Close to float64; with 1, 2 or 4 queries a block (the per-query kernel); alone or
+    beside other prompts; given its keys as a count, a window or a mask; and from a cache
+    (its prompt's last queries in a pass of their own)."""
+    rng = np.random.default_rng(int(tensor_cores))
+    length, columns = 12, 200
+    q, k, v = _pass(rng, attention, 2, length, columns)
+    mask = rng.random((2, length, columns)) < 0.6
+    mask[:, np.arange(length), columns - length + np.arange(length)] = True
+
+    def run(q, k, v, **kwargs):
+        return attention.prefill(q, k, v, tensor_cores=tensor_cores, **kwargs)
+
+    for kwargs in ({}, {"window": 48}, {"causal": False, "mask": mask}):
+        together = run(q, k, v, **kwargs)
+        np.testing.assert_allclose(emulation.from_bf16(together), attention.reference(q, k, v, **kwargs),
+                                   atol=2e-2, rtol=2e-2)
+        if not tensor_cores:
+            for queries in (2, 4):
+                assert np.array_equal(run(q, k, v, queries=queries, **kwargs), together), f"{queries} a block"
+        for i in range(2):
+            alone = run(q[i:i + 1], k[i:i + 1], v[i:i + 1],
+                        **{**kwargs, **({"mask": mask[i:i + 1]} if "mask" in kwargs else {})})
+            assert np.array_equal(alone, together[length * i:length * (i + 1)]), f"prompt {i} alone"
+    for window in (0, 48):
+        counted = run(q, k, v, window=window)
+        masked = run(q, k, v, causal=False, mask=_causal_as_mask(length, columns, window))
+        assert np.array_equal(masked, counted), f"window {window}: a count and a mask"
+        tail = run(q[:1, :, -5:], k[:1], v[:1], window=window)
+        assert np.array_equal(tail, counted[length - 5:length]), f"window {window}: from a cache"
+
+
+def test_decode_attention_takes_each_rows_own_keys(attention):
+    rng = np.random.default_rng(2)
+    counts = np.array([1, 40, 257, 300], np.int32)
+    q, k, v = _pass(rng, attention, len(counts), 1, 300)
+    out = attention.decode(q, k, v, counts)
+    expected = np.concatenate([attention.reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], causal=False)
+                               for i, n in enumerate(counts)])
+    np.testing.assert_allclose(emulation.from_bf16(out), expected, atol=2e-2, rtol=2e-2)
+    alone = attention.decode(q[2:3], k[2:3, :, :288], v[2:3, :, :288], counts[2:3])  # fewer columns
+    assert np.array_equal(alone, out[2:3])
