@@ -69,56 +69,83 @@ def _ptr(a: np.ndarray | None):
 
 
 class Matmul:
-    """``x @ W.T + bias`` (bfloat16, plain weights of ``width`` x ``out``) through each of
-    ``cuda_matmul``'s kernels, the launch as ``cuda_matmul.linear`` makes it."""
+    """``x @ W.T + bias`` (bfloat16; plain weights of ``width`` x ``out``, or MLX's affine
+    ``bits``-bit ones in groups of ``group``) through each of ``cuda_matmul``'s kernels,
+    the launch as ``cuda_matmul.linear`` makes it."""
 
-    def __init__(self, width: int, out: int):
-        self.width, self.out = width, out
+    def __init__(self, width: int, out: int, bits: int | None = None, group: int = 64):
+        self.width, self.out, self.bits = width, out, bits
         warps = cuda_matmul.warps_for(width)
         pair = "template <typename T>" + cuda_matmul._HEADER.split("template <typename T>", 1)[1]
         bias = "s += static_cast<float>(bias[col]);"
-        one_pass = (cuda_matmul._SOURCE.replace("LOAD_WEIGHTS", cuda_matmul._LOAD_PLAIN)
-                    .replace("TAIL", cuda_matmul._TAIL).replace("BIAS", bias))
+        load = cuda_matmul._LOAD_QUANTIZED if bits else cuda_matmul._LOAD_PLAIN
+        one_pass = (cuda_matmul._SOURCE.replace("LOAD_WEIGHTS", load)
+                    .replace("TAIL", "" if bits else cuda_matmul._TAIL).replace("BIAS", bias))
         staged = cuda_matmul._SOURCE_STAGED.replace("BIAS", bias)
-        args = "const T* x, const int* x_shape, const T* w, const T* bias, T* y"
+        weights = "const uint32_t* w, const T* scales, const T* biases" if bits else "const T* w"
+        args = f"const T* x, const int* x_shape, {weights}, const T* bias, T* y"
+        quant = f", {bits}, {group}" if bits else ""
+        call_weights = "(const uint32_t*)w, S, Z" if bits else f"(const {BF16}*)w"
         launches = []
         for tiles in (1, 2, 4, 8):
             for ahead in (0, 1):
                 launches.append(
                     f"if (kind == 0 && tiles == {tiles} && ahead == {ahead}) "
                     f"launch({{{-(-out // 32)}u, (unsigned)((M + {16 * tiles - 1}) / {16 * tiles}), 1}}, "
-                    f"{{{warps * 32}, 1, 1}}, [&] {{ one_pass<{BF16}, {width}, {out}, {tiles}, 4, {warps}, "
-                    f"{'true' if ahead else 'false'}>(X, shape, W, Bias, Y); }});")
-                launches.append(
-                    f"if (kind == 1 && tiles == {tiles}) "
-                    f"launch({{{-(-out // 32)}u, (unsigned)((M + {16 * tiles - 1}) / {16 * tiles}), 1}}, "
-                    f"{{{tiles * 32}, 1, 1}}, [&] {{ staged<{BF16}, {width}, {out}, {tiles}, {warps}>"
-                    f"(X, shape, W, Bias, Y); }});")
+                    f"{{{warps * 32}, 1, 1}}, [&] {{ one_pass<{BF16}, {width}, {out}{quant}, {tiles}, 4, {warps}, "
+                    f"{'true' if ahead else 'false'}>(X, shape, {call_weights}, Bias, Y); }});")
+                if not bits:
+                    launches.append(
+                        f"if (kind == 1 && tiles == {tiles}) "
+                        f"launch({{{-(-out // 32)}u, (unsigned)((M + {16 * tiles - 1}) / {16 * tiles}), 1}}, "
+                        f"{{{tiles * 32}, 1, 1}}, [&] {{ staged<{BF16}, {width}, {out}, {tiles}, {warps}>"
+                        f"(X, shape, {call_weights}, Bias, Y); }});")
         body = "\n  ".join(launches)
+        quant_params = ", int BITS, int GROUP" if bits else ""
+        staged_template = "" if bits else f"""template <typename T, int K, int N, int RW, int WARPS>
+void staged({args}) {{
+{staged}
+}}"""
         self.lib = build(f"""#include "cuda_emulator.h"
 {pair}
-template <typename T, int K, int N, int TILES, int FT, int WARPS, bool PREFETCH_ROWS>
+template <typename T, int K, int N{quant_params}, int TILES, int FT, int WARPS, bool PREFETCH_ROWS>
 void one_pass({args}) {{
 {one_pass}
 }}
-template <typename T, int K, int N, int RW, int WARPS>
-void staged({args}) {{
-{staged}
-}}
-extern "C" void matmul(const void* x, int M, const void* w, const void* bias, void* y, int kind, int tiles,
-                       int ahead) {{
+{staged_template}
+extern "C" void matmul(const void* x, int M, const void* w, const void* scales, const void* biases,
+                       const void* bias, void* y, int kind, int tiles, int ahead) {{
   int shape[2] = {{M, {width}}};
-  auto X = (const {BF16}*)x; auto W = (const {BF16}*)w; auto Bias = (const {BF16}*)bias; auto Y = ({BF16}*)y;
+  auto X = (const {BF16}*)x; auto S = (const {BF16}*)scales; auto Z = (const {BF16}*)biases;
+  auto Bias = (const {BF16}*)bias; auto Y = ({BF16}*)y;
   {body}
 }}
 """)
 
-    def __call__(self, x, w, bias, tiles: int, ahead: bool = False, staged: bool = False) -> np.ndarray:
+    def __call__(self, x, w, bias, tiles: int, ahead: bool = False, staged: bool = False,
+                 scales=None, biases=None) -> np.ndarray:
         x = np.ascontiguousarray(x)
         y = np.zeros((x.shape[0], self.out), np.uint16)
-        self.lib.matmul(_ptr(x), ctypes.c_int(x.shape[0]), _ptr(w), _ptr(bias), _ptr(y),
-                        ctypes.c_int(int(staged)), ctypes.c_int(tiles), ctypes.c_int(int(ahead)))
+        self.lib.matmul(_ptr(x), ctypes.c_int(x.shape[0]), _ptr(w), _ptr(scales), _ptr(biases), _ptr(bias),
+                        _ptr(y), ctypes.c_int(int(staged)), ctypes.c_int(tiles), ctypes.c_int(int(ahead)))
         return y
+
+
+def quantize(w: np.ndarray, bits: int, group: int):
+    """MLX's affine quantization of ``w`` (out, width): packed codes (uint32, low bits
+    first), bfloat16 scales and biases per ``group``, and the weights they stand for."""
+    out, width = w.shape
+    grouped = w.reshape(out, width // group, group)
+    low, high = grouped.min(-1), grouped.max(-1)
+    scales = to_bf16((high - low) / (2**bits - 1))
+    biases = to_bf16(low)
+    s, z = from_bf16(scales)[..., None], from_bf16(biases)[..., None]
+    codes = np.clip(np.round((grouped - z) / s), 0, 2**bits - 1).astype(np.uint32).reshape(out, width)
+    per_word = 32 // bits
+    words = codes.reshape(out, width // per_word, per_word) << (bits * np.arange(per_word, dtype=np.uint32))
+    packed = np.bitwise_or.reduce(words, axis=-1).astype(np.uint32)
+    dequantized = (codes.reshape(out, width // group, group) * s + z).reshape(out, width)
+    return packed, scales, biases, dequantized
 
 
 # -- attention ----------------------------------------------------------------------------

@@ -52,6 +52,27 @@ def test_matmul_variants_give_the_default_kernels_bits(width, out):
             assert np.array_equal(matmul(x[i:i + 1], w, bias, 1)[0], default[i]), f"row {i} alone"
 
 
+def test_quantized_matmul_variants_give_the_default_kernels_bits():
+    """4-bit weights (MLX's affine format): every tile count and rows loaded ahead, the
+    default's bits, batched and alone, and close to the dequantized weights' product."""
+    width, out, bits, group = 640, 72, 4, 64
+    matmul = emulation.Matmul(width, out, bits, group)
+    rng = np.random.default_rng(4)
+    packed, scales, biases, dequantized = emulation.quantize(rng.standard_normal((out, width)) / width**0.5,
+                                                             bits, group)
+    bias = _bf16(rng, out)
+    weights = dict(scales=scales, biases=biases)
+    x = _bf16(rng, 40, width)
+    default = matmul(x, packed, bias, tiles=4, **weights)
+    exact = emulation.from_bf16(x).astype(np.float64) @ dequantized.T + emulation.from_bf16(bias)
+    np.testing.assert_allclose(emulation.from_bf16(default), exact, atol=5e-2, rtol=3e-2)
+    for tiles in (1, 2, 4, 8):
+        assert np.array_equal(matmul(x, packed, bias, tiles, **weights), default), f"{tiles} tiles"
+    for tiles in (1, 2):
+        assert np.array_equal(matmul(x, packed, bias, tiles, ahead=True, **weights), default), f"ahead, {tiles}"
+    assert np.array_equal(matmul(x[5:6], packed, bias, 1, **weights)[0], default[5]), "a row alone"
+
+
 @pytest.fixture(scope="module")
 def attention():
     return emulation.Attention()
