@@ -209,7 +209,7 @@ void combine(const float* partial, const int* partial_shape, T* out) {{
 }}
 {flash_params}
 void flash({qkv}, T* out) {{
-{a._FLASH.replace("  VISIBLE" + chr(10), a._FLASH_ALL_VISIBLE)}
+{a._FLASH.replace("  VISIBLE" + chr(10), a._ALL_VISIBLE)}
 }}
 {flash_params}
 void flash_masked({qkv}, {mask_args}, T* out) {{

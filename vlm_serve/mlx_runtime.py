@@ -39,3 +39,10 @@ def cuda_available() -> bool:
 
     cuda = getattr(mx, "cuda", None)  # not every MLX build has the module
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def kernel_constant(name: str, value: float) -> tuple[str, str]:
+    """A float compiled into a CUDA kernel (MLX's template arguments take ints, bools and
+    dtypes only): its ``#define`` line, and a tag for the kernel's name."""
+    text = f"{float(value)!r}"
+    return f"#define {name} {text}f\n", text.replace(".", "p").replace("-", "m")

@@ -48,6 +48,7 @@ import functools
 import mlx.core as mx
 
 from ...mlx_runtime import cuda_available as available  # where these kernels run
+from ...mlx_runtime import kernel_constant
 
 CHUNK = 256  # columns per block of pass 1
 WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
@@ -487,9 +488,6 @@ _FLASH = """
   }
 """
 
-_FLASH_ALL_VISIBLE = """
-  auto visible = [](int, int) { return true; };
-"""
 _FLASH_MASK_VISIBLE = """
   auto visible = [&](int qi, int c) {
     return mask[((size_t)(mask_shape[0] == 1 ? 0 : b) * L + qi) * columns + c];
@@ -501,13 +499,13 @@ _FLASH_MASK_VISIBLE = """
 def _flash_kernel(scale: float, masked: bool):
     from ..cuda_matmul import MMA
 
-    tag = f"{float(scale)!r}".replace(".", "p").replace("-", "m")
+    define, tag = kernel_constant("SCALE", scale)
     return mx.fast.cuda_kernel(
         name=f"vlm_flash_prefill_{'masked' if masked else 'plain'}_{tag}",
         input_names=["q", "keys", "values"] + (["mask"] if masked else []),
         output_names=["out"],
-        source=_FLASH.replace("  VISIBLE\n", _FLASH_MASK_VISIBLE if masked else _FLASH_ALL_VISIBLE),
-        header=_HEADER + MMA + f"#define SCALE {float(scale)!r}f\n",
+        source=_FLASH.replace("  VISIBLE\n", _FLASH_MASK_VISIBLE if masked else _ALL_VISIBLE),
+        header=_HEADER + MMA + define,
     )
 
 
@@ -515,10 +513,8 @@ def _flash_kernel(scale: float, masked: bool):
 def _kernels(scale: float, opening: str = "decode"):
     """Pass 1 and pass 2 for one scale and one kind of row: "decode", "prefill" or
     "masked" (a prefill pass with a mask)."""
-    # The scale is a compile-time constant of the kernel (MLX's template arguments
-    # take ints, bools and dtypes only).
-    header = _HEADER + f"#define SCALE {float(scale)!r}f\n"
-    tag = f"{float(scale)!r}".replace(".", "p").replace("-", "m")
+    define, tag = kernel_constant("SCALE", scale)
+    header = _HEADER + define
     row = _DECODE_ROW if opening == "decode" else _PREFILL_ROW.replace(
         "  VISIBLE\n", _MASK_VISIBLE if opening == "masked" else _ALL_VISIBLE)
     inputs = {"decode": ["counts"], "prefill": [], "masked": ["mask"]}[opening]

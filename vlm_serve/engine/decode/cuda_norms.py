@@ -19,6 +19,7 @@ import functools
 
 import mlx.core as mx
 
+from ...mlx_runtime import kernel_constant
 from .cuda_attention import available
 
 THREADS = 256
@@ -85,14 +86,13 @@ def add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array, eps:
 
 @functools.cache
 def _kernel(eps: float):
-    # eps is a compile-time constant (MLX's template arguments take ints, bools, dtypes).
-    tag = f"{float(eps)!r}".replace(".", "p").replace("-", "m")
+    define, tag = kernel_constant("EPS", eps)
     return mx.fast.cuda_kernel(
         name=f"vlm_add_norm_{tag}",
         input_names=["x", "r", "w_after", "w_next"],
         output_names=["h", "n"],
         source=_SOURCE,
-        header=_HEADER + f"#define EPS {float(eps)!r}f\n",
+        header=_HEADER + define,
     )
 
 
