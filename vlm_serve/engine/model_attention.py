@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 
 import mlx.core as mx
@@ -106,14 +107,14 @@ def kernel_plan(queries, keys, values, cache, mask, sinks) -> tuple[bool, mx.arr
     if mask.dtype != mx.bool_:
         return "an additive mask"
     columns = keys.shape[2]
+    # The axes before (L, columns) meet the scores' (prompts, heads) from the right: the
+    # kernel takes one set of rows, or one per prompt, for every head.
     lead = mask.shape[:-2]
-    if len(lead) > 2 or any(d != 1 for d in lead[1:]) or (len(lead) == 2 and lead[0] not in (1, B)):
-        return "a mask per head"
-    if len(lead) == 1 and lead[0] != 1:  # a 3-D mask's first axis meets the heads
+    rows = lead[0] if len(lead) == 2 else 1
+    if len(lead) > 2 or math.prod(lead) != rows or rows not in (1, B):
         return "a mask per head"
     if mask.shape[-2] not in (1, L) or mask.shape[-1] not in (1, columns):
         return "a mask of another shape than the scores"
-    rows = lead[0] if len(lead) == 2 else 1
     return False, mx.broadcast_to(mask.reshape(rows, *mask.shape[-2:]), (rows, L, columns))
 
 
