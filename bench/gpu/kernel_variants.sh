@@ -7,21 +7,31 @@
 # bit-for-bit tests, their timings against the defaults, and one prefill pass and one
 # decode step of the Gemma-3-4B shape with each turned on.
 #   OUT=DIR bash bench/gpu/kernel_variants.sh
+# STEPS picks parts (default: all of "tests matmul attention prefill decode"), so the run
+# can be split across calls shorter than the whole.
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-kernel-variants}
+STEPS=${STEPS:-tests matmul attention prefill decode}
 mkdir -p "$OUT"
 BIG=/tmp/vlm-bench-gemma3-4b
 [ -f $BIG/config.json ] || PYTHONPATH=$PWD python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out $BIG > /dev/null 2>&1
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
-echo "== the same bits as the defaults"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matmul.py tests/test_cuda_attention.py \
-  -k "staged or ahead or queries_sharing or flash" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+if wanted tests; then
+  echo "== the same bits as the defaults"
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matmul.py tests/test_cuda_attention.py \
+    -k "staged or ahead or queries_sharing or flash" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+fi
 
 export PYTHONPATH=$PWD
-echo "== matmul per call"
-python3 bench/matmul_rows.py --timing --variants 2>&1 | tee "$OUT/matmul.txt"
-echo "== 34 layers' prefill attention"
-python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 2>&1 | tee "$OUT/attention.txt"
+if wanted matmul; then
+  echo "== matmul per call"
+  python3 bench/matmul_rows.py --timing --variants 2>&1 | tee "$OUT/matmul.txt"
+fi
+if wanted attention; then
+  echo "== 34 layers' prefill attention"
+  python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 2>&1 | tee "$OUT/attention.txt"
+fi
 
 # A bench script with the variants named turned on: "staged" (the staged matmul from 64
 # rows), "ahead" (rows loaded ahead, blocks of at most 32 rows), "queries" (up to 8 prefill
@@ -51,12 +61,12 @@ runpy.run_path(script, run_name="__main__")
 PY
 }
 
-for variants in default staged queries flash all; do
+wanted prefill && for variants in default staged queries flash all; do
   echo "== $variants: one prefill pass"
   with_variants $variants bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
     --out "$OUT/prefill-$variants.json" 2>&1 | tail -4
 done
-for variants in default ahead staged; do
+wanted decode && for variants in default ahead staged; do
   echo "== $variants: decode step"
   with_variants $variants bench/decode_step.py --model $BIG --batch-sizes 1,64,128 --columns engine \
     --steps 32 2>&1 | grep -E "^[0-9]+ " | tee "$OUT/decode-$variants.txt"
