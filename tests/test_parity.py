@@ -318,7 +318,8 @@ def _oracle_from_ids(harness, ids: list[int], max_tokens: int) -> list[int]:
     from mlx_vlm.generate import generate_step
 
     if harness.alone is not None:  # CUDA: the engine alone, on a cache of its own
-        return harness.alone(_prepared_from_ids(harness, "oracle", ids, max_tokens))
+        # Past end tokens too, as mlx-vlm's greedy steps below go on.
+        return harness.alone(_prepared_from_ids(harness, "oracle", ids, max_tokens, ignore_eos=True))
 
     steps = generate_step(mx.array([ids]), harness.oracle_model, None, None, max_tokens=max_tokens,
                           temperature=0.0, prefill_step_size=PREFILL_STEP)
