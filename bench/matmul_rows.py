@@ -6,8 +6,8 @@ printed with the first row count whose row 0 has the same bits (one class per ke
 choice). ``--timing``: ms per call of each at decode and prefill row counts (20 calls
 per evaluation, after a warm-up). ``--layouts``: the same per call for each choice of
 column tiles and warps per block (``cuda_matmul.layout``), with whether its bits equal
-the default layout's. ``--variants`` (with ``--timing``): the kernel variants that are
-off by default too (``VARIANTS``), each with whether its bits are the default's.
+the default layout's. ``--variants`` (with ``--timing``): other settings of the kernel
+too (``VARIANTS``), each with whether its bits are the default's.
 
     python bench/matmul_rows.py --classes --timing --variants --layouts
 """
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--timing", action="store_true")
     p.add_argument("--layouts", action="store_true")
     p.add_argument("--variants", action="store_true",
-                   help="with --timing: the variants that are off by default too, and whether "
+                   help="with --timing: other settings of the kernel too, and whether "
                         "their bits are the default's")
     args = p.parse_args()
     if not cuda_matmul.available():
@@ -100,13 +100,11 @@ def main() -> None:
         layouts()
 
 
-# The kernel variants that are off by default, as the module settings that turn them on:
-# the staged kernel at every row count (plain weights), the next chunk's rows loaded
-# ahead for blocks of up to two tiles, and that with blocks of at most 32 rows.
+# Other settings of the kernel, each giving the default's bits: rows loaded just before
+# their multiply-adds (no rows ahead), and blocks of at most 32 rows at every row count.
 VARIANTS = {
-    "staged": {"STAGED_MIN_ROWS": 1},
-    "prefetch": {"PREFETCH_ROWS_MAX_TILES": 2},
-    "prefetch32": {"PREFETCH_ROWS_MAX_TILES": 2, "ROW_TILES": (1, 2)},
+    "rows not ahead": {"PREFETCH_ROWS_MAX_TILES": 0, "SMALL_BLOCK_ROWS": 0},
+    "blocks of 32": {"ROW_TILES": (1, 2)},
 }
 
 

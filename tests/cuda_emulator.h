@@ -111,12 +111,6 @@ inline void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1, T) {
   for (int e = 0; e < 4; ++e) c[e] = out[e];
 }
 
-inline void copy_async16(void* dst, const void* src, bool valid) {
-  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
-}
-inline void copies_commit() {}
-template <int PENDING> inline void copies_wait() {}
-
 // Run `kernel` over the grid, one block at a time, one OS thread per CUDA thread (the
 // same threads for every block; each block gets barriers of its own, since a thread that
 // returns early drops out of them).

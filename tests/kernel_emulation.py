@@ -81,7 +81,6 @@ class Matmul:
         load = cuda_matmul._LOAD_QUANTIZED if bits else cuda_matmul._LOAD_PLAIN
         one_pass = (cuda_matmul._SOURCE.replace("LOAD_WEIGHTS", load)
                     .replace("TAIL", "" if bits else cuda_matmul._TAIL).replace("BIAS", bias))
-        staged = cuda_matmul._SOURCE_STAGED.replace("BIAS", bias)
         weights = "const uint32_t* w, const T* scales, const T* biases" if bits else "const T* w"
         args = f"const T* x, const int* x_shape, {weights}, const T* bias, T* y"
         quant = f", {bits}, {group}" if bits else ""
@@ -90,31 +89,20 @@ class Matmul:
         for tiles in (1, 2, 4, 8):
             for ahead in (0, 1):
                 launches.append(
-                    f"if (kind == 0 && tiles == {tiles} && ahead == {ahead}) "
+                    f"if (tiles == {tiles} && ahead == {ahead}) "
                     f"launch({{{-(-out // 32)}u, (unsigned)((M + {16 * tiles - 1}) / {16 * tiles}), 1}}, "
                     f"{{{warps * 32}, 1, 1}}, [&] {{ one_pass<{BF16}, {width}, {out}{quant}, {tiles}, 4, {warps}, "
                     f"{'true' if ahead else 'false'}>(X, shape, {call_weights}, Bias, Y); }});")
-                if not bits:
-                    launches.append(
-                        f"if (kind == 1 && tiles == {tiles}) "
-                        f"launch({{{-(-out // 32)}u, (unsigned)((M + {16 * tiles - 1}) / {16 * tiles}), 1}}, "
-                        f"{{{tiles * 32}, 1, 1}}, [&] {{ staged<{BF16}, {width}, {out}, {tiles}, {warps}>"
-                        f"(X, shape, {call_weights}, Bias, Y); }});")
         body = "\n  ".join(launches)
         quant_params = ", int BITS, int GROUP" if bits else ""
-        staged_template = "" if bits else f"""template <typename T, int K, int N, int RW, int WARPS>
-void staged({args}) {{
-{staged}
-}}"""
         self.lib = build(f"""#include "cuda_emulator.h"
 {pair}
 template <typename T, int K, int N{quant_params}, int TILES, int FT, int WARPS, bool PREFETCH_ROWS>
 void one_pass({args}) {{
 {one_pass}
 }}
-{staged_template}
 extern "C" void matmul(const void* x, int M, const void* w, const void* scales, const void* biases,
-                       const void* bias, void* y, int kind, int tiles, int ahead) {{
+                       const void* bias, void* y, int tiles, int ahead) {{
   int shape[2] = {{M, {width}}};
   auto X = (const {BF16}*)x; auto S = (const {BF16}*)scales; auto Z = (const {BF16}*)biases;
   auto Bias = (const {BF16}*)bias; auto Y = ({BF16}*)y;
@@ -122,12 +110,12 @@ extern "C" void matmul(const void* x, int M, const void* w, const void* scales, 
 }}
 """)
 
-    def __call__(self, x, w, bias, tiles: int, ahead: bool = False, staged: bool = False,
+    def __call__(self, x, w, bias, tiles: int, ahead: bool = False,
                  scales=None, biases=None) -> np.ndarray:
         x = np.ascontiguousarray(x)
         y = np.zeros((x.shape[0], self.out), np.uint16)
         self.lib.matmul(_ptr(x), ctypes.c_int(x.shape[0]), _ptr(w), _ptr(scales), _ptr(biases), _ptr(bias),
-                        _ptr(y), ctypes.c_int(int(staged)), ctypes.c_int(tiles), ctypes.c_int(int(ahead)))
+                        _ptr(y), ctypes.c_int(tiles), ctypes.c_int(int(ahead)))
         return y
 
 

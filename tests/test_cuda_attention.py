@@ -202,7 +202,7 @@ def test_queries_sharing_a_block_compute_what_each_computes_alone(heads, kv_head
             assert mx.array_equal(shared, alone).item(), f"{queries} queries a block, {kwargs.keys()}"
 
 
-# -- the tensor-core prefill kernel (off by default: cuda_attention.FLASH_PREFILL) ------
+# -- the tensor-core prefill kernel (cuda_attention.FLASH_PREFILL) ----------------------
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (28, 4, 128), (8, 1, 64)])

@@ -32,8 +32,8 @@ def _bf16(rng, *shape, scale: float = 1.0) -> np.ndarray:
 
 @pytest.mark.parametrize("width, out", [(640, 72), (4096, 40)])  # four warps, eight
 def test_matmul_variants_give_the_default_kernels_bits(width, out):
-    """Every tile count, rows loaded ahead and the staged kernel: the same bits as the
-    default layout, for a batch and for each row alone, and close to float64."""
+    """Every tile count, with and without rows loaded ahead: the same bits, for a batch
+    and for each row alone, and close to float64."""
     matmul = emulation.Matmul(width, out)
     rng = np.random.default_rng(width)
     w, bias = _bf16(rng, out, width, scale=width**-0.5), _bf16(rng, out)
@@ -45,7 +45,6 @@ def test_matmul_variants_give_the_default_kernels_bits(width, out):
                                    atol=3e-2, rtol=2e-2)
         for tiles in (1, 2, 4, 8):
             assert np.array_equal(matmul(x, w, bias, tiles), default), f"{tiles} tiles"
-            assert np.array_equal(matmul(x, w, bias, tiles, staged=True), default), f"staged, {tiles} tiles"
         for tiles in (1, 2):
             assert np.array_equal(matmul(x, w, bias, tiles, ahead=True), default), f"ahead, {tiles} tiles"
         for i in (0, rows - 1):

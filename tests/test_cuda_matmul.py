@@ -68,43 +68,23 @@ def test_plain_weights_match_float64_and_each_row_is_exact(width, out, bias, dty
     _assert_row_exact(layer, x)
 
 
-# Each case compiles a kernel per tile count (about 5-10 s each on first use): float16
-# takes the same code as bfloat16 but for the instruction, so one shape of it is enough.
-STAGED = [(2560, 4096, False, mx.bfloat16), (2048, 2560, True, mx.bfloat16),
-          (10240, 640, False, mx.bfloat16), (2560, 100, True, mx.bfloat16),
-          (2560, 4096, False, mx.float16)]
-
-
-@pytest.mark.parametrize("width,out,bias,dtype", STAGED)
-def test_the_staged_kernel_gives_the_same_bits(width, out, bias, dtype, monkeypatch):
-    """Many rows of plain weights may take the kernel that stages its chunks in shared
-    memory: every output the same to the bit as the one-pass kernel's, at every row
-    count (so the choice between them by rows keeps each row's bits)."""
-    layer = _layer(width, out, dtype, bias)
-    x = _rows(300, width, dtype)
-    for m in (1, 7, 16, 17, 33, 64, 65, 130, 300):
-        monkeypatch.setattr(cuda_matmul, "STAGED_MIN_ROWS", None)
-        one_pass = cuda_matmul.linear(x[:m], layer)
-        monkeypatch.setattr(cuda_matmul, "STAGED_MIN_ROWS", 1)
-        staged = cuda_matmul.linear(x[:m], layer)
-        assert mx.array_equal(staged, one_pass).item(), f"{m} rows"
-
-
 @pytest.mark.parametrize("bits", [None, 4])
 def test_rows_loaded_ahead_give_the_same_bits(bits, monkeypatch):
-    """Blocks of few rows may load the next chunk's rows with its weights: every output
-    the same to the bit as loading them just before their multiply-adds, blocks of up
-    to 32 rows included."""
+    """Blocks of few rows load the next chunk's rows with its weights: every output the
+    same to the bit as loading them just before their multiply-adds, and as blocks of
+    at most 32 rows at every row count."""
     layer = _layer(2560, 1024, mx.bfloat16, True, bits)
     x = _rows(130, 2560, mx.bfloat16)
-    for m in (1, 7, 16, 17, 33, 64, 130):
+    for m in (1, 7, 16, 17, 33, 64, 65, 130):
         default = cuda_matmul.linear(x[:m], layer)
         with monkeypatch.context() as patch:
-            patch.setattr(cuda_matmul, "PREFETCH_ROWS_MAX_TILES", 2)
-            ahead = cuda_matmul.linear(x[:m], layer)
+            patch.setattr(cuda_matmul, "PREFETCH_ROWS_MAX_TILES", 0)
+            patch.setattr(cuda_matmul, "SMALL_BLOCK_ROWS", 0)
+            not_ahead = cuda_matmul.linear(x[:m], layer)
+        with monkeypatch.context() as patch:
             patch.setattr(cuda_matmul, "ROW_TILES", (1, 2))
             small_blocks = cuda_matmul.linear(x[:m], layer)
-        assert mx.array_equal(ahead, default).item(), f"{m} rows"
+        assert mx.array_equal(not_ahead, default).item(), f"{m} rows"
         assert mx.array_equal(small_blocks, default).item(), f"{m} rows, blocks of 32"
 
 

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The kernel variants that stay off until a GPU run shows they give the default kernels'
-# bits: the matmul that stages its chunks in shared memory (cuda_matmul.STAGED_MIN_ROWS),
-# the next chunk's rows loaded ahead (cuda_matmul.PREFETCH_ROWS_MAX_TILES), several
-# prefill queries per attention block (cuda_attention.MAX_QUERIES_PER_BLOCK) and the
-# tensor-core prefill attention (cuda_attention.FLASH_PREFILL). Their
-# bit-for-bit tests, their timings against the defaults, and one prefill pass and one
-# decode step of the Gemma-3-4B shape with each turned on.
+# The CUDA kernels' settings against each other, each keeping a row's bits independent
+# of its batch: rows loaded ahead in blocks of at most 32 rows up to 64 rows
+# (cuda_matmul.PREFETCH_ROWS_MAX_TILES, SMALL_BLOCK_ROWS), several prefill queries per
+# attention block (cuda_attention.MAX_QUERIES_PER_BLOCK) and the tensor-core prefill
+# attention (cuda_attention.FLASH_PREFILL). Their bit-for-bit tests, their timings, and
+# one prefill pass and one decode step of the Gemma-3-4B shape with each setting.
 #   OUT=DIR bash bench/gpu/kernel_variants.sh
 # STEPS picks parts (default: all of "tests matmul attention prefill decode"), so the run
 # can be split across calls shorter than the whole.
@@ -18,9 +17,9 @@ BIG=/tmp/vlm-bench-gemma3-4b
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if wanted tests; then
-  echo "== the same bits as the defaults"
+  echo "== the same bits whatever the setting"
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matmul.py tests/test_cuda_attention.py \
-    -k "staged or ahead or queries_sharing or flash" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+    -k "ahead or queries_sharing or flash" 2>&1 | tail -3 | tee "$OUT/tests.txt"
 fi
 
 export PYTHONPATH=$PWD
@@ -33,41 +32,39 @@ if wanted attention; then
   python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 2>&1 | tee "$OUT/attention.txt"
 fi
 
-# A bench script with the variants named turned on: "staged" (the staged matmul from 64
-# rows), "ahead" (rows loaded ahead, blocks of at most 32 rows), "queries" (up to 8 prefill
-# queries a block), "flash" (the tensor-core prefill attention), "all" (staged, ahead,
-# flash), or "default".
-with_variants() {
-  local variants=$1 script=$2
+# A bench script with one setting changed from the default: "not-ahead" (rows loaded just
+# before their multiply-adds, blocks of up to 128 rows), "queries" (up to 8 prefill
+# queries a block), "per-query" (the per-query prefill attention, not the tensor-core
+# one), or "default".
+with_setting() {
+  local setting=$1 script=$2
   shift 2
-  python3 - "$variants" "$script" "$@" <<'PY'
+  python3 - "$setting" "$script" "$@" <<'PY'
 import runpy
 import sys
 
 from vlm_serve.engine import cuda_matmul
 from vlm_serve.engine.decode import cuda_attention
 
-variants, script = sys.argv[1], sys.argv[2]
-if variants in ("staged", "all"):
-    cuda_matmul.STAGED_MIN_ROWS = 64
-if variants in ("ahead", "all"):
-    cuda_matmul.PREFETCH_ROWS_MAX_TILES, cuda_matmul.ROW_TILES = 2, (1, 2)
-if variants == "queries":
-    cuda_attention.MAX_QUERIES_PER_BLOCK = 8
-if variants in ("flash", "all"):
-    cuda_attention.FLASH_PREFILL = True
+setting, script = sys.argv[1], sys.argv[2]
+if setting == "not-ahead":
+    cuda_matmul.PREFETCH_ROWS_MAX_TILES, cuda_matmul.SMALL_BLOCK_ROWS = 0, 0
+if setting == "queries":
+    cuda_attention.FLASH_PREFILL, cuda_attention.MAX_QUERIES_PER_BLOCK = False, 8
+if setting == "per-query":
+    cuda_attention.FLASH_PREFILL = False
 sys.argv = [script, *sys.argv[3:]]
 runpy.run_path(script, run_name="__main__")
 PY
 }
 
-wanted prefill && for variants in default staged queries flash all; do
-  echo "== $variants: one prefill pass"
-  with_variants $variants bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
-    --out "$OUT/prefill-$variants.json" 2>&1 | tail -4
+wanted prefill && for setting in ${PREFILL_SETTINGS:-default per-query queries}; do
+  echo "== $setting: one prefill pass"
+  with_setting $setting bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
+    --out "$OUT/prefill-$setting.json" 2>&1 | tail -4
 done
-wanted decode && for variants in default ahead staged; do
-  echo "== $variants: decode step"
-  with_variants $variants bench/decode_step.py --model $BIG --batch-sizes 1,64,128 --columns engine \
-    --steps 32 2>&1 | grep -E "^[0-9]+ " | tee "$OUT/decode-$variants.txt"
+wanted decode && for setting in ${DECODE_SETTINGS:-default not-ahead}; do
+  echo "== $setting: decode step"
+  with_setting $setting bench/decode_step.py --model $BIG --batch-sizes 1,32,64,128 --columns engine \
+    --steps 32 2>&1 | grep -E "^[0-9]+ " | tee "$OUT/decode-$setting.txt"
 done

@@ -8,26 +8,22 @@ up), and a batched request drifts from the tokens it gets alone.
 
 This kernel adds every dot product's terms in one fixed order whatever the row count:
 
-- one block per 32 output columns and per 128 rows, with four warps (eight where the
-  input dimension is 4,096 or more);
+- one block per 32 output columns and per 128 rows (32 up to 64 rows), with four
+  warps (eight where the input dimension is 4,096 or more);
 - the input dimension in chunks of 64: warp ``w`` of ``W`` takes chunks ``w, w + W,
   ...`` in ascending order, each as four tensor-core multiply-adds (bfloat16 or float16
   in, float32 sums). Lane ``t`` of a quad reads 16 consecutive elements of its row and
   of the weight's row (16-byte loads; 4/8-bit weights are unpacked in registers) and
   feeds them to the four instructions in a fixed arrangement, the same for both
-  operands. The next chunk's weights load while the tensor cores take this one's. Any
-  remainder of the input dimension runs in steps of 16 on warp 0;
+  operands. The next chunk's weights (and in blocks of up to 32 rows, its rows) load
+  while the tensor cores take this one's. Any remainder of the input dimension runs in
+  steps of 16 on warp 0;
 - the warps' sums meet in a fixed tree, then the bias is added and the sum rounded.
 
 A row's sums never meet another row's, and the blocks, chunks and warps a row passes
 through depend only on the shapes of the weight: a row batched and alone get the same
 bits (``tests/test_cuda_matmul.py``, on a CUDA machine). float32 takes a plain kernel,
 one thread per output, the terms in input order.
-
-Past ~64 rows that kernel is bound by reading its rows from global memory in every
-block. A second kernel (``_SOURCE_STAGED``) adds the same terms in the same order from
-chunks staged in shared memory for all the warps of a block; it is off
-(``STAGED_MIN_ROWS``) until a GPU run has shown it gives the same bits and measured it.
 
 Without a GPU, ``tests/test_cuda_emulated.py`` runs these kernels' source on a CPU
 emulation of CUDA: which operands meet in which order, every variant against the default.
@@ -54,12 +50,20 @@ def warps_for(width: int) -> int:
 
 ROW_TILES = (1, 2, 4, 8)  # tiles of 16 rows a block may take: up to 128 rows
 
+# Up to this many rows (a decode step's batch), blocks take at most two tiles, so that
+# they load rows ahead (``PREFETCH_ROWS_MAX_TILES``) and more of them keep loads in
+# flight. H200, Gemma-3-4B-shaped decode step: 12.2 against 13.1 ms at 64 rows; at 128
+# rows blocks of 32 lose (20.5 against 18.0 ms), so larger counts keep larger blocks.
+SMALL_BLOCK_ROWS = 64
+
 
 def layout(rows: int, width: int) -> tuple[int, int, int]:
     """(tiles of 16 rows, tiles of 8 output columns, warps) per block for ``rows`` rows
     of ``width`` inputs. Only the warps change a row's bits, and they follow the
     weight's shape alone; the tiles spread the work over the card."""
     tiles = next((t for t in ROW_TILES if rows <= t * 16), ROW_TILES[-1])
+    if rows <= SMALL_BLOCK_ROWS:
+        tiles = min(tiles, 2)
     return tiles, 4, warps_for(width)
 
 
@@ -86,18 +90,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
 """
 
 _HEADER = MMA + """
-// 16 bytes from global to shared memory without passing through registers (sm_80+);
-// zeros where not `valid` (nothing is read then).
-__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(to), "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
-
-template <int PENDING>
-__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group %0;\\n" :: "n"(PENDING)); }
-
 // Two elements of a row as one register: zeros past the end of the row or the matrix.
 template <typename T>
 __device__ __forceinline__ unsigned pair(const T* row, int k, int K, bool valid) {
@@ -245,114 +237,6 @@ _TAIL = """
 
 """
 
-# Many rows of plain weights whose input dimension is whole chunks: the same sums in the
-# same order as ``_SOURCE``, from shared memory. A block takes RW tiles of 16 rows (one
-# warp each) and 32 output columns; each chunk of 64 inputs of its rows and weights is
-# copied to shared memory once for all its warps (``cp.async``, the next chunk's copies
-# in flight while the tensor cores take this one's), and each warp keeps WARPS sets of
-# sums: chunk c adds into set c % WARPS, which is what warp c % WARPS of ``_SOURCE``
-# adds, in the same ascending order, with the same fragments. The sets then meet in
-# ``_SOURCE``'s tree. So each output gets the same bits from either kernel, and
-# ``linear`` may choose by row count.
-_SOURCE_STAGED = """
-  static_assert(WARPS == 2 || WARPS == 4 || WARPS == 8, "the tree below");
-  constexpr int CHUNKS = K / 64;
-  constexpr int STRIDE = 64 + 8;  // elements per staged row: 16 bytes apart, no bank conflicts
-  constexpr int BM = RW * 16;
-  // Two buffers of each, declared as 16-byte words so that every row is 16-byte aligned.
-  __shared__ uint4 xs_words[2 * BM * STRIDE * sizeof(T) / 16];
-  __shared__ uint4 ws_words[2 * 32 * STRIDE * sizeof(T) / 16];
-  T (*xs)[BM][STRIDE] = reinterpret_cast<T (*)[BM][STRIDE]>(xs_words);
-  T (*ws)[32][STRIDE] = reinterpret_cast<T (*)[32][STRIDE]>(ws_words);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  const int M = x_shape[0];
-  const int n0 = blockIdx.x * 32;
-  const int m0 = blockIdx.y * BM;
-
-  // Chunk c of the block's rows and weights into buffer `buf`, as one commit group.
-  auto stage = [&](int buf, int c) {
-    const int k0 = c * 64;
-    for (int p = threadIdx.x; p < BM * 8; p += RW * 32) {
-      const int r = p / 8, e = (p % 8) * 8;
-      const bool valid = m0 + r < M;
-      copy_async16(&xs[buf][r][e], valid ? x + (size_t)(m0 + r) * K + k0 + e : x, valid);
-    }
-    for (int p = threadIdx.x; p < 32 * 8; p += RW * 32) {
-      const int r = p / 8, e = (p % 8) * 8;
-      const bool valid = n0 + r < N;
-      copy_async16(&ws[buf][r][e], valid ? w + (size_t)(n0 + r) * K + k0 + e : w, valid);
-    }
-    copies_commit();
-  };
-
-  float acc[WARPS][4][4];
-#pragma unroll
-  for (int s = 0; s < WARPS; ++s)
-    for (int f = 0; f < 4; ++f)
-      for (int e = 0; e < 4; ++e) acc[s][f][e] = 0.0f;
-
-  // Chunk c into `set`, from shared memory, once its copies have landed; the copies of
-  // chunk c + 1 go out first.
-  auto take_chunk = [&](float (&set)[4][4], int c) {
-    if (c + 1 < CHUNKS) {
-      stage((c + 1) % 2, c + 1);
-      copies_wait<1>();  // chunk c has landed; c + 1 may still be in flight
-    } else {
-      copies_wait<0>();
-    }
-    __syncthreads();
-    const int buf = c % 2;
-    const T* row0 = &xs[buf][warp * 16 + g][16 * t];
-    const T* row1 = &xs[buf][warp * 16 + g + 8][16 * t];
-    unsigned a0[8], a1[8], b[4][8];
-    *reinterpret_cast<uint4*>(&a0[0]) = *reinterpret_cast<const uint4*>(row0);
-    *reinterpret_cast<uint4*>(&a0[4]) = *reinterpret_cast<const uint4*>(row0 + 8);
-    *reinterpret_cast<uint4*>(&a1[0]) = *reinterpret_cast<const uint4*>(row1);
-    *reinterpret_cast<uint4*>(&a1[4]) = *reinterpret_cast<const uint4*>(row1 + 8);
-    for (int f = 0; f < 4; ++f) {
-      const T* wrow = &ws[buf][f * 8 + g][16 * t];
-      *reinterpret_cast<uint4*>(&b[f][0]) = *reinterpret_cast<const uint4*>(wrow);
-      *reinterpret_cast<uint4*>(&b[f][4]) = *reinterpret_cast<const uint4*>(wrow + 8);
-    }
-    for (int j = 0; j < 4; ++j) {
-      const unsigned a[4] = {a0[2 * j], a1[2 * j], a0[2 * j + 1], a1[2 * j + 1]};
-      for (int f = 0; f < 4; ++f) mma16816(set[f], a, b[f][2 * j], b[f][2 * j + 1], T());
-    }
-    __syncthreads();  // the buffer is free for chunk c + 2
-  };
-
-  stage(0, 0);
-  for (int c0 = 0; c0 < CHUNKS; c0 += WARPS) {
-#pragma unroll
-    for (int s = 0; s < WARPS; ++s) {  // unrolled: each set stays in registers
-      if (c0 + s < CHUNKS) take_chunk(acc[s], c0 + s);
-    }
-  }
-  // The sets meet in _SOURCE's tree: halves first, as its warps do; with four,
-  // (0 + 2) + (1 + 3).
-  auto add_set = [](float (&into)[4][4], const float (&from)[4][4]) {
-    for (int f = 0; f < 4; ++f)
-      for (int e = 0; e < 4; ++e) into[f][e] += from[f][e];
-  };
-  if constexpr (WARPS == 8) {
-    add_set(acc[0], acc[4]); add_set(acc[1], acc[5]); add_set(acc[2], acc[6]); add_set(acc[3], acc[7]);
-  }
-  if constexpr (WARPS >= 4) { add_set(acc[0], acc[2]); add_set(acc[1], acc[3]); }
-  if constexpr (WARPS >= 2) add_set(acc[0], acc[1]);
-  for (int f = 0; f < 4; ++f) {
-    const int n = n0 + f * 8 + 2 * t;
-    for (int e = 0; e < 4; ++e) {
-      float s = acc[0][f][e];
-      const int r = m0 + warp * 16 + g + (e / 2) * 8, col = n + e % 2;
-      if (r < M && col < N) {
-        BIAS
-        y[(size_t)r * N + col] = static_cast<T>(s);
-      }
-    }
-  }
-"""
-
 # float32: one thread per output, its terms in input order.
 _SOURCE_F32 = """
   const int M = x_shape[0];
@@ -419,38 +303,17 @@ def fits(module: nn.Module, dtype: mx.Dtype) -> bool:
 
 # Blocks of at most this many tiles of 16 rows load the next chunk's rows with its weights,
 # ahead of this chunk's multiply-adds: the same operands in the same order, so the same
-# bits. Registers a thread (nvcc for sm_90, bf16): 126 / 174 at one / two tiles against
-# 112 / 130 without; four tiles would spill. 0 (never) until a GPU run has shown the
-# bits and measured it (``bench/gpu/kernel_variants.sh``; with ``ROW_TILES = (1, 2)``
-# the decode step's 64-128 rows take it too, in blocks of 32).
-PREFETCH_ROWS_MAX_TILES = 0
-
-# Rows from which plain weights take the staged kernel (``_SOURCE_STAGED``): None keeps
-# every row count on ``_SOURCE``. The two give the same bits by construction; the staged
-# one has not yet run on a GPU, so it stays off until it has been shown to give them
-# (``tests/test_cuda_matmul.py``) and measured (``bench/gpu/kernel_variants.sh``).
-STAGED_MIN_ROWS: int | None = None
-
-
-def staged_row_warps(rows: int) -> int:
-    """Tiles of 16 rows per block of the staged kernel: up to 128 rows."""
-    return next(w for w in (1, 2, 4, 8) if rows <= 16 * w or w == 8)
-
-
-def _takes_staged(rows: int, width: int, quantized: bool) -> bool:
-    return (STAGED_MIN_ROWS is not None and rows >= STAGED_MIN_ROWS and not quantized
-            and width % 64 == 0)
-
+# bits (``tests/test_cuda_matmul.py``). Registers a thread (nvcc for sm_90, bf16):
+# 126 / 174 at one / two tiles against 112 / 130 without; four tiles would spill.
+PREFETCH_ROWS_MAX_TILES = 2
 
 @functools.cache
 def _kernel(has_bias: bool, kind: str):
-    """``kind``: "f32" (plain float32), "plain", "quantized" or "staged" (tensor cores)."""
+    """``kind``: "f32" (plain float32), "plain" or "quantized" (tensor cores)."""
     inputs = ["x", "w"] + (["scales", "biases"] if kind == "quantized" else [])
     inputs += ["bias"] if has_bias else []
     source = _SOURCE_F32
-    if kind == "staged":
-        source = _SOURCE_STAGED
-    elif kind != "f32":
+    if kind != "f32":
         quantized = kind == "quantized"
         source = _SOURCE.replace("LOAD_WEIGHTS", _LOAD_QUANTIZED if quantized else _LOAD_PLAIN)
         source = source.replace("TAIL", "" if quantized else _TAIL)
@@ -491,14 +354,6 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
         out = _kernel(bias is not None, "f32")(
             **common, template=template,
             grid=(-(-n // threads) * threads, max(m, 1), 1), threadgroup=(threads, 1, 1),
-        )[0]
-    elif _takes_staged(m, width, quantized):
-        row_warps = staged_row_warps(m)
-        out = _kernel(bias is not None, "staged")(
-            **common,
-            template=[("T", x.dtype), *template, ("RW", row_warps), ("WARPS", layout(m, width)[2])],
-            grid=(-(-n // 32) * row_warps * 32, max(1, -(-m // (row_warps * 16))), 1),
-            threadgroup=(row_warps * 32, 1, 1),
         )[0]
     else:
         tiles, column_tiles, warps = layout(m, width)

@@ -35,9 +35,9 @@ each key and value a lane loads serves all of them, and each query's sums run as
 would in a block of its own (a column it does not see adds exact zeros), so the number
 never changes its bits. Long passes take it where the engine keeps rows exact
 (``row_exact``, and ``model_attention`` for the families whose prefill is mlx-vlm's
-own code). Its sums run on CUDA cores, query by query; a tensor-core kernel for the
-same passes (``_FLASH``, off until run on a GPU: ``FLASH_PREFILL``) keeps each query's
-bits independent of the others the same way. Without a GPU, ``tests/
+own code). Its sums run on CUDA cores, query by query. bfloat16/float16 passes of head
+sizes up to 256 take a tensor-core kernel instead (``_FLASH``, ``FLASH_PREFILL``), which
+keeps each query's bits independent of the others the same way. Without a GPU, ``tests/
 test_cuda_emulated.py`` runs these kernels' source on a CPU emulation of CUDA.
 """
 
@@ -556,10 +556,11 @@ def decode_attention(
                       group, [("QQ", 1)])
 
 
-# The most queries of a prefill pass a block of pass 1 takes by default. Several give each
-# query the same bits by construction, but that has not yet been run on a GPU
-# (``tests/test_cuda_attention.py::test_queries_sharing_a_block_compute_what_each_
-# computes_alone``, ``bench/gpu/kernel_variants.sh``): until it has, one.
+# The most queries of a prefill pass a block of pass 1 takes by default. Any number gives
+# each query the same bits (``tests/test_cuda_attention.py::test_queries_sharing_a_block_
+# compute_what_each_computes_alone``), but more did not pay on an H200 (Gemma-3-4B shape,
+# 34 layers: 3.2 / 3.5 / 4.1 / 4.0 ms at 1 / 2 / 4 / 8 for 270 tokens, 70 / 65 / 78 / 62
+# ms for 2,048; ``bench/attention_kernels.py --prefill-lengths``), so one.
 MAX_QUERIES_PER_BLOCK = 1
 
 
@@ -612,12 +613,12 @@ def prefill_attention(
 
 
 # Prefill passes of bfloat16/float16 queries of a head size the tensor-core kernel takes
-# run on it (``_FLASH``) rather than on the per-query kernel. Off until a GPU run has
-# shown its bits batched and alone and measured it (``tests/test_cuda_attention.py``,
-# ``bench/gpu/kernel_variants.sh``): its sums are its own (weights rounded to T, products
-# summed by the tensor cores), so turning it on changes every prefill pass's bits, the
-# same way alone and batched.
-FLASH_PREFILL = False
+# run on it (``_FLASH``) rather than on the per-query kernel, whatever their length, so a
+# query's bits never depend on the pass it is in (``tests/test_cuda_attention.py``). Its
+# sums are its own (weights rounded to T, products summed by the tensor cores). H200,
+# Gemma-3-4B shape, 34 layers: 17 against 70 ms for 2,048 tokens, 3.1 against 3.2 ms
+# for 270 (``bench/attention_kernels.py --prefill-lengths``).
+FLASH_PREFILL = True
 
 
 def flash_fits(q: mx.array) -> bool:
