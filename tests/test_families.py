@@ -492,6 +492,28 @@ def test_warm_up_runs_each_padded_pass_length_where_passes_are_padded(caplog, mo
         engine.shutdown()
 
 
+def test_a_failing_warm_up_request_stops_startup_with_its_error(monkeypatch):
+    """A warm-up request that ends in an error (on a GPU: a kernel MLX cannot compile on
+    that machine) stops startup, naming the request and the error, rather than leaving a
+    server up that fails every request on that path. The vision tower is made to raise
+    MLX's compile error here: that failure needs a CUDA install, which this machine has
+    not."""
+    from mlx_vlm.models.gemma3.vision import VisionModel
+
+    def cannot_compile(self, *args, **kwargs):
+        raise RuntimeError('Failed to compile kernel: mma.h(55): cannot open source file "crt/mma.h"')
+
+    monkeypatch.setattr(VisionModel, "__call__", cannot_compile)
+    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2), warm=True)
+    with pytest.raises(RuntimeError) as failed:
+        engine.start()
+    message = str(failed.value.__cause__)
+    assert message.startswith("warm-up failed (--no-warmup starts without it): warm-up-image: prefill failed")
+    assert "crt/mma.h" in message
+    engine._thread.join(timeout=30)
+    assert not engine._thread.is_alive()
+
+
 @pytest.mark.parametrize("grammar", [False, True], ids=["free", "json"])
 def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built(grammar):
     """A row that joins an idle batch has its first token handed to the event loop

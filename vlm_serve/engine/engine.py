@@ -72,7 +72,7 @@ class Engine:
         self._thread.start()
         self._ready.wait(timeout)
         if self._load_error is not None:
-            raise RuntimeError(f"failed to load model {self.model_name!r}") from self._load_error
+            raise RuntimeError(f"could not start serving {self.model_name!r}") from self._load_error
 
     def wait(self) -> None:
         """Until the worker thread ends (a tensor-parallel follower's whole life)."""

@@ -302,8 +302,12 @@ class Scheduler:
 
     def run_to_completion(self, requests: list[PreparedRequest], copies: int = 0) -> None:
         """Serve ``requests`` to the end on this thread, publishing nothing (warm-up),
-        each with ``copies`` more rows of its prompt (as a request with n > 1 has)."""
-        publish, self.publish = self.publish, lambda events: None
+        each with ``copies`` more rows of its prompt (as a request with n > 1 has).
+        Raises ``RuntimeError`` naming each request that ended in an error: a path that
+        fails here would fail every user request that takes it."""
+        errors: list[str] = []
+        publish = self.publish
+        self.publish = lambda events: errors.extend(f"{e.request_id}: {e.error}" for e in events if e.error)
         self._quiet = True
         try:
             for request in requests:
@@ -315,6 +319,8 @@ class Scheduler:
         finally:
             self.publish = publish
             self._quiet = False
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     def _turn(self) -> None:
         idle = not (self.waiting or self.prefilling or self.running or self._inflight)

@@ -44,6 +44,15 @@ WARM_PASS_TOKENS = 512
 
 
 def warm_up(loaded, scheduler) -> None:
+    """Raises ``RuntimeError`` where a warm-up request fails (a kernel MLX cannot
+    compile on this machine, say): the server would fail every request on that path."""
+    try:
+        _warm_up(loaded, scheduler)
+    except RuntimeError as exc:
+        raise RuntimeError(f"warm-up failed (--no-warmup starts without it): {exc}") from exc
+
+
+def _warm_up(loaded, scheduler) -> None:
     started = time.monotonic()
     ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 1, loaded.chat_template)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
