@@ -4,9 +4,12 @@ MLX's own single-query kernel on rows of one length (352 keys), and the step's 6
 writes (``put_along_axis`` into the store, in place). ``--prefill-lengths``: one first
 prefill pass of each length through 34 layers, the engine's prefill kernel at 1, 2, 4
 and 8 queries per block (and whether each gives the bits of 1) and its tensor-core
-kernel, against MLX's causal attention. CUDA only.
+kernel, against MLX's causal attention. ``--cached N``: those passes go on from N keys
+already in the cache (a chat's next turn), where the tensor-core kernel's one block per
+64 queries of a head has the fewest blocks. CUDA only.
 
     python bench/attention_kernels.py [--batch-sizes 1,64,128] [--prefill-lengths 270,2048]
+    python bench/attention_kernels.py --batch-sizes "" --prefill-lengths 16,64,256 --cached 2048
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,64,128")
     p.add_argument("--prefill-lengths", default="")
+    p.add_argument("--cached", type=int, default=0, help="keys already cached before each pass")
     args = p.parse_args()
     bf16 = mx.bfloat16
     for length in (int(n) for n in args.prefill_lengths.split(",") if n):
-        prefill(length)
+        prefill(length, args.cached)
     for rows in (int(b) for b in args.batch_sizes.split(",") if b):
         def store():
             return [mx.random.normal((rows, KV_HEADS, COLUMNS, DIM)).astype(bf16) for _ in range(LAYERS)]
@@ -70,12 +74,13 @@ def main() -> None:
               f"68 KV writes {writes:.2f} ms", flush=True)
 
 
-def prefill(length: int) -> None:
-    """A first pass of ``length`` tokens: 34 layers' attention, ms."""
-    def layer_inputs(heads):
-        return [mx.random.normal((1, heads, length, DIM)).astype(mx.bfloat16) for _ in range(LAYERS)]
+def prefill(length: int, cached: int = 0) -> None:
+    """A pass of ``length`` tokens after ``cached`` keys: 34 layers' attention, ms."""
+    def layer_inputs(heads, columns):
+        return [mx.random.normal((1, heads, columns, DIM)).astype(mx.bfloat16) for _ in range(LAYERS)]
 
-    q, keys, values = layer_inputs(HEADS), layer_inputs(KV_HEADS), layer_inputs(KV_HEADS)
+    q = layer_inputs(HEADS, length)
+    keys, values = layer_inputs(KV_HEADS, cached + length), layer_inputs(KV_HEADS, cached + length)
     mx.eval(q, keys, values)
     cells, one = [], None
     for queries in (1, 2, 4, 8):
@@ -91,7 +96,8 @@ def prefill(length: int) -> None:
                               for i in range(LAYERS)], reps=5)
     mlx_ms = timed(lambda: [mx.fast.scaled_dot_product_attention(q[i], keys[i], values[i], scale=SCALE,
                                                                   mask="causal") for i in range(LAYERS)], reps=5)
-    print(f"prefill {length} tokens: engine kernel " + ", ".join(cells)
+    after = f" after {cached}" if cached else ""
+    print(f"prefill {length} tokens{after}: engine kernel " + ", ".join(cells)
           + f"; tensor-core kernel {flash_ms:.2f} ms; MLX {mlx_ms:.2f} ms", flush=True)
 
 
