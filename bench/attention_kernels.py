@@ -4,9 +4,10 @@ MLX's own single-query kernel on rows of one length (352 keys), and the step's 6
 writes (``put_along_axis`` into the store, in place). ``--prefill-lengths``: one first
 prefill pass of each length through 34 layers, the engine's prefill kernel at 1, 2, 4
 and 8 queries per block (and whether each gives the bits of 1) and its tensor-core
-kernel, against MLX's causal attention. ``--cached N``: those passes go on from N keys
-already in the cache (a chat's next turn), where the tensor-core kernel's one block per
-64 queries of a head has the fewest blocks. CUDA only.
+kernel over all of a query's columns a block or chunks of 256 or 512, against MLX's
+causal attention. ``--cached N``: those passes go on from N keys already in the cache
+(a chat's next turn), where the tensor-core kernel without chunks has the fewest
+blocks. CUDA only.
 
     python bench/attention_kernels.py [--batch-sizes 1,64,128] [--prefill-lengths 270,2048]
     python bench/attention_kernels.py --batch-sizes "" --prefill-lengths 16,64,256 --cached 2048
@@ -92,13 +93,16 @@ def prefill(length: int, cached: int = 0) -> None:
         one = out if one is None else one
         same = mx.array_equal(out, one).item()
         cells.append(f"{queries} a block {ms:.2f} ms{'' if same else ' (OTHER BITS)'}")
-    flash_ms = timed(lambda: [flash_prefill_attention(q[i], keys[i], values[i], SCALE)
-                              for i in range(LAYERS)], reps=5)
+    flash = []
+    for chunk in (0, 256, 512):
+        ms = timed(lambda c=chunk: [flash_prefill_attention(q[i], keys[i], values[i], SCALE, chunk=c)
+                                    for i in range(LAYERS)], reps=5)
+        flash.append(f"{chunk or 'all'} columns a block {ms:.2f} ms")
     mlx_ms = timed(lambda: [mx.fast.scaled_dot_product_attention(q[i], keys[i], values[i], scale=SCALE,
                                                                   mask="causal") for i in range(LAYERS)], reps=5)
     after = f" after {cached}" if cached else ""
     print(f"prefill {length} tokens{after}: engine kernel " + ", ".join(cells)
-          + f"; tensor-core kernel {flash_ms:.2f} ms; MLX {mlx_ms:.2f} ms", flush=True)
+          + "; tensor-core kernel " + ", ".join(flash) + f"; MLX {mlx_ms:.2f} ms", flush=True)
 
 
 if __name__ == "__main__":

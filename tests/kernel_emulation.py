@@ -141,12 +141,14 @@ def quantize(w: np.ndarray, bits: int, group: int):
 
 class Attention:
     """``cuda_attention``'s prefill kernels (per query, with ``queries`` a block, and the
-    tensor-core one) and decode kernel, for bfloat16 with ``heads`` query heads, ``kv_heads``
-    key/value heads of ``dim``, scale ``scale``: each call launched as the module does."""
+    tensor-core one, over ``flash_chunk`` columns a block or all of them) and decode
+    kernel, for bfloat16 with ``heads`` query heads, ``kv_heads`` key/value heads of
+    ``dim``, scale ``scale``: each call launched as the module does."""
 
     CASES = [(True, 0), (True, 48), (False, 0)]  # (causal, window) instantiated
 
-    def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 64, scale: float = 0.125):
+    def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 64, scale: float = 0.125,
+                 flash_chunk: int = 0):
         self.heads, self.kv_heads, self.dim, self.scale = heads, kv_heads, dim, scale
         group = cuda_attention.heads_per_block(heads, kv_heads, dim)
         a = cuda_attention
@@ -162,16 +164,20 @@ class Attention:
                     f"masked<{t}>(Q, qs, K, ks, V, mask, ms, partial.data()); }});\n"
                     f"    else launch({{chunks, {heads // group}, {blocks}}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{ "
                     f"prefill<{t}>(Q, qs, K, ks, V, partial.data()); }});\n  }}")
+        # The tensor-core kernel writes the output, or with chunks each chunk's parts.
+        flash_out = "flash_parts.data()" if flash_chunk else "O"
         for causal, window in self.CASES:
-            t = f"{BF16}, {dim}, {kv_heads}, {str(causal).lower()}, {window}"
-            grid = f"{{(unsigned)((L + 63) / 64), {heads}, (unsigned)B}}"
+            t = f"{BF16}, {dim}, {kv_heads}, {str(causal).lower()}, {window}, {flash_chunk}"
+            grid = f"{{(unsigned)((L + 63) / 64), {heads}, (unsigned)B * flash_chunks}}"
             flash.append(
                 f"if (causal == {int(causal)} && window == {window}) {{\n"
-                f"    if (mask) launch({grid}, {{128, 1, 1}}, [&] {{ flash_masked<{t}>(Q, qs, K, ks, V, mask, ms, O); }});\n"
-                f"    else launch({grid}, {{128, 1, 1}}, [&] {{ flash<{t}>(Q, qs, K, ks, V, O); }});\n  }}")
+                f"    if (mask) launch({grid}, {{128, 1, 1}}, [&] {{ "
+                f"flash_masked<{t}>(Q, qs, K, ks, V, mask, ms, {flash_out}); }});\n"
+                f"    else launch({grid}, {{128, 1, 1}}, [&] {{ flash<{t}>(Q, qs, K, ks, V, {flash_out}); }});\n  }}")
         prefill_params = ("template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, "
                           "bool CAUSAL, int WINDOW>")
-        flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW>"
+        flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW, int CHUNK>"
+        flash_type = "float" if flash_chunk else "T"
         qkv = "const T* q, const int* q_shape, const T* keys, const int* keys_shape, const T* values"
         mask_args = "const bool* mask, const int* mask_shape"
         row = a._COMMON + a._PREFILL_ROW
@@ -196,11 +202,11 @@ void combine(const float* partial, const int* partial_shape, T* out) {{
 {a._COMBINE}
 }}
 {flash_params}
-void flash({qkv}, T* out) {{
+void flash({qkv}, {flash_type}* out) {{
 {a._FLASH.replace("  VISIBLE" + chr(10), a._ALL_VISIBLE)}
 }}
 {flash_params}
-void flash_masked({qkv}, {mask_args}, T* out) {{
+void flash_masked({qkv}, {mask_args}, {flash_type}* out) {{
 {a._FLASH.replace("  VISIBLE" + chr(10), a._FLASH_MASK_VISIBLE)}
 }}
 static void combined(std::vector<float>& partial, int rows, unsigned chunks, void* out) {{
@@ -212,7 +218,10 @@ extern "C" void attend(const void* q, int B, int L, const void* k, const void* v
   int qs[4] = {{B, {heads}, L, {dim}}}, ks[4] = {{B, {kv_heads}, N, {dim}}}, ms[3] = {{mask_rows, L, N}};
   auto Q = (const {BF16}*)q; auto K = (const {BF16}*)k; auto V = (const {BF16}*)v; auto O = ({BF16}*)out;
   if (tensor_cores) {{
+    const unsigned flash_chunks = {f"(N + {flash_chunk - 1}) / {flash_chunk}" if flash_chunk else 1};
+    std::vector<float> flash_parts({f"(size_t)B * L * {heads} * flash_chunks * ({dim} + 2)" if flash_chunk else 0});
   {nl.join(flash)}
+    if (!flash_parts.empty()) combined(flash_parts, B * L, flash_chunks, out);
     return;
   }}
   const unsigned chunks = (N + {a.CHUNK - 1}) / {a.CHUNK};

@@ -205,18 +205,24 @@ def test_queries_sharing_a_block_compute_what_each_computes_alone(heads, kv_head
 # -- the tensor-core prefill kernel (cuda_attention.FLASH_PREFILL) ----------------------
 
 
+# Columns per block: all of them, or chunks of 256 met by a second pass (FLASH_CHUNK).
+FLASH_CHUNKS = [0, 256]
+
+
+@pytest.mark.parametrize("chunk", FLASH_CHUNKS)
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (28, 4, 128), (8, 1, 64)])
 @pytest.mark.parametrize("columns, length, window", [(64, 64, None), (352, 64, None), (427, 300, 128),
                                                      (40, 1, None), (700, 100, None)])
-def test_flash_prefill_matches_mlx_attention(heads, kv_heads, dim, columns, length, window):
+def test_flash_prefill_matches_mlx_attention(heads, kv_heads, dim, columns, length, window, chunk):
     rng = np.random.default_rng(columns + length + dim)
     q, keys, values = _pass(rng, 2, heads, kv_heads, dim, columns, length, mx.bfloat16)
-    ours = cuda_attention.flash_prefill_attention(q, keys, values, dim**-0.5, window)
+    ours = cuda_attention.flash_prefill_attention(q, keys, values, dim**-0.5, window, chunk=chunk)
     theirs = _prefill_reference(q, keys, values, dim**-0.5, window)
     np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)),
                                atol=2e-2, rtol=2e-2)
     mask = _visible(rng, 2, length, columns)
-    ours = cuda_attention.flash_prefill_attention(q, keys, values, dim**-0.5, causal=False, mask=mask)
+    ours = cuda_attention.flash_prefill_attention(q, keys, values, dim**-0.5, causal=False, mask=mask,
+                                                  chunk=chunk)
     with mx.stream(mx.cpu):
         theirs = cuda_attention.reference_prefill_attention(q, keys, values, dim**-0.5, causal=False,
                                                             mask=mask)
@@ -224,14 +230,18 @@ def test_flash_prefill_matches_mlx_attention(heads, kv_heads, dim, columns, leng
                                atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("chunk", FLASH_CHUNKS)
 @pytest.mark.parametrize("window", [None, 100])
-def test_flash_prefill_gives_a_query_the_same_bits_in_any_pass(window):
+def test_flash_prefill_gives_a_query_the_same_bits_in_any_pass(window, chunk):
     """Alone or padded beside other prompts, as a count or as a mask, and from a cache
     (the same prompt's last queries in a pass of their own, as after a prefix-cache hit)."""
     rng = np.random.default_rng(5)
     columns, length = 520, 300
     q, keys, values = _pass(rng, 3, 8, 4, 256, columns, length, mx.bfloat16)
-    flash = cuda_attention.flash_prefill_attention
+
+    def flash(*args, **kwargs):
+        return cuda_attention.flash_prefill_attention(*args, **kwargs, chunk=chunk)
+
     together = flash(q, keys, values, 1 / 16, window)
     for i in range(3):
         alone = flash(q[i:i + 1], keys[i:i + 1], values[i:i + 1], 1 / 16, window)

@@ -77,6 +77,11 @@ def attention():
     return emulation.Attention()
 
 
+@pytest.fixture(scope="module")
+def chunked_attention():
+    return emulation.Attention(flash_chunk=64)  # the tensor-core kernel, 64 columns a block
+
+
 def _pass(rng, attention, prompts: int, length: int, columns: int):
     return (_bf16(rng, prompts, attention.heads, length, attention.dim),
             _bf16(rng, prompts, attention.kv_heads, columns, attention.dim),
@@ -91,12 +96,15 @@ def _causal_as_mask(length: int, columns: int, window: int) -> np.ndarray:
     return mask[None]
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True])
-def test_prefill_attention_gives_a_query_the_same_bits_in_any_pass(attention, tensor_cores):
+@pytest.mark.parametrize("kernel", ["per-query", "tensor-core", "tensor-core in chunks"])
+def test_prefill_attention_gives_a_query_the_same_bits_in_any_pass(request, kernel):
     """Close to float64; with 1, 2 or 4 queries a block (the per-query kernel); alone or
-    beside other prompts; given its keys as a count, a window or a mask; and from a cache
-    (its prompt's last queries in a pass of their own)."""
-    rng = np.random.default_rng(int(tensor_cores))
+    beside other prompts; given its keys as a count, a window or a mask; beside columns
+    it does not see (a longer prompt's, in a padded pass); and from a cache (its
+    prompt's last queries in a pass of their own)."""
+    attention = request.getfixturevalue("chunked_attention" if "chunks" in kernel else "attention")
+    tensor_cores = kernel != "per-query"
+    rng = np.random.default_rng(len(kernel))
     length, columns = 12, 200
     q, k, v = _pass(rng, attention, 2, length, columns)
     mask = rng.random((2, length, columns)) < 0.6
@@ -104,6 +112,12 @@ def test_prefill_attention_gives_a_query_the_same_bits_in_any_pass(attention, te
 
     def run(q, k, v, **kwargs):
         return attention.prefill(q, k, v, tensor_cores=tensor_cores, **kwargs)
+
+    # 90 more columns no query sees: other keys, never looked at.
+    _, k_more, v_more = _pass(rng, attention, 2, 0, 90)
+    padded = run(q, np.concatenate([k, k_more], 2), np.concatenate([v, v_more], 2), causal=False,
+                 mask=np.concatenate([mask, np.zeros((2, length, 90), bool)], 2))
+    assert np.array_equal(padded, run(q, k, v, causal=False, mask=mask)), "beside unseen columns"
 
     for kwargs in ({}, {"window": 48}, {"causal": False, "mask": mask}):
         together = run(q, k, v, **kwargs)

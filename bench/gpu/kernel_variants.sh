@@ -3,7 +3,8 @@
 # of its batch: rows loaded ahead in blocks of at most 32 rows up to 64 rows
 # (cuda_matmul.PREFETCH_ROWS_MAX_TILES, SMALL_BLOCK_ROWS), several prefill queries per
 # attention block (cuda_attention.MAX_QUERIES_PER_BLOCK) and the tensor-core prefill
-# attention (cuda_attention.FLASH_PREFILL). Their bit-for-bit tests, their timings, and
+# attention (cuda_attention.FLASH_PREFILL), over all of a query's columns a block or in
+# chunks (FLASH_CHUNK). Their bit-for-bit tests, their timings, and
 # one prefill pass and one decode step of the Gemma-3-4B shape with each setting.
 #   OUT=DIR bash bench/gpu/kernel_variants.sh
 # STEPS picks parts (default: all of "tests matmul attention prefill decode"), so the run
@@ -30,12 +31,15 @@ fi
 if wanted attention; then
   echo "== 34 layers' prefill attention"
   python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 2>&1 | tee "$OUT/attention.txt"
+  echo "== 34 layers' attention of a chat's next turn, after 2,048 cached keys"
+  python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 16,64,256 --cached 2048 2>&1 \
+    | tee "$OUT/attention-cached.txt"
 fi
 
 # A bench script with one setting changed from the default: "not-ahead" (rows loaded just
 # before their multiply-adds, blocks of up to 128 rows), "queries" (up to 8 prefill
 # queries a block), "per-query" (the per-query prefill attention, not the tensor-core
-# one), or "default".
+# one), "chunks" (the tensor-core one in chunks of 256 columns), or "default".
 with_setting() {
   local setting=$1 script=$2
   shift 2
@@ -53,12 +57,14 @@ if setting == "queries":
     cuda_attention.FLASH_PREFILL, cuda_attention.MAX_QUERIES_PER_BLOCK = False, 8
 if setting == "per-query":
     cuda_attention.FLASH_PREFILL = False
+if setting == "chunks":
+    cuda_attention.FLASH_CHUNK = 256
 sys.argv = [script, *sys.argv[3:]]
 runpy.run_path(script, run_name="__main__")
 PY
 }
 
-wanted prefill && for setting in ${PREFILL_SETTINGS:-default per-query queries}; do
+wanted prefill && for setting in ${PREFILL_SETTINGS:-default chunks per-query}; do
   echo "== $setting: one prefill pass"
   with_setting $setting bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
     --out "$OUT/prefill-$setting.json" 2>&1 | tail -4

@@ -336,6 +336,13 @@ _COMBINE = """
 # its own, and the row's max and sum meet only the row's own values (its four lanes, in a
 # fixed order), so a query's bits follow its own keys and what it sees: a tile it sees
 # nothing of (one another query of its warp needs) adds exact zeros to it.
+# Where CHUNK > 0, a block takes only the tiles of one chunk of CHUNK columns (chunks
+# fixed from column 0, one per blockIdx.z with the prompt) and writes its queries'
+# unnormalized sums, max and sum of weights as ``_COMBINE`` reads them; pass 2 meets the
+# chunks in order. A chunk a query sees nothing of gives it a max of -inf, which adds
+# nothing there, so its bits still follow only its own keys and what it sees; and a pass
+# of few queries after many cached keys (a chat's next turn) runs on a block per chunk
+# rather than one block walking every tile.
 _FLASH = """
   constexpr int KB = 32;  // keys per tile
   constexpr int ROWS = 64;  // queries per block: 16 per warp
@@ -349,7 +356,8 @@ _FLASH = """
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   const int L = q_shape[2], heads = gridDim.y, columns = keys_shape[2];
-  const int head = blockIdx.y, b = blockIdx.z;
+  const int chunks = CHUNK > 0 ? (columns + CHUNK - 1) / CHUNK : 1;
+  const int head = blockIdx.y, b = blockIdx.z / chunks, chunk = blockIdx.z % chunks;
   const int kv_head = head / (heads / KV_HEADS);
   const int q0 = blockIdx.x * ROWS;
   const int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};  // this lane's queries
@@ -367,7 +375,12 @@ _FLASH = """
   // The block's tiles: from the first column its first query may see to the last its
   // last query may see (counts and windows only grow with the query).
   const int last_q = min(q0 + ROWS, L) - 1;
-  const int tile_begin = first_of(q0) / KB, tile_end = (count_of(last_q) + KB - 1) / KB;
+  int tile_begin = first_of(q0) / KB, tile_end = (count_of(last_q) + KB - 1) / KB;
+  if constexpr (CHUNK > 0) {
+    static_assert(CHUNK % KB == 0, "chunks of whole tiles");
+    tile_begin = max(tile_begin, chunk * (CHUNK / KB));
+    tile_end = min(tile_end, (chunk + 1) * (CHUNK / KB));
+  }
 
   // Two elements as one register of the instruction's operands.
   auto pack = [](T lo, T hi) {
@@ -474,15 +487,28 @@ _FLASH = """
     }
   }
 
+  if constexpr (CHUNK > 0) {
+    // This chunk's part of each query, as _COMBINE reads it: sums, then max and sum.
 #pragma unroll
-  for (int n = 0; n < DT; ++n) {
+    for (int h = 0; h < 2; ++h) {
+      if (rows[h] >= L) continue;
+      float* part = out + (((size_t)(b * L + rows[h]) * heads + head) * chunks + chunk) * (D + 2);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = e / 2, row = rows[h];
-      if (row < L) {
-        const int d = n * 8 + 2 * t + e % 2;
-        const float value = l[h] > 0.0f ? o[n][e] / l[h] : 0.0f;  // a query that sees nothing: zeros
-        out[((size_t)(b * L + row) * heads + head) * D + d] = static_cast<T>(value);
+      for (int n = 0; n < DT; ++n)
+        for (int e = 0; e < 2; ++e) part[n * 8 + 2 * t + e] = o[n][2 * h + e];
+      if (t == 0) part[D] = m[h], part[D + 1] = l[h];
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e / 2, row = rows[h];
+        if (row < L) {
+          const int d = n * 8 + 2 * t + e % 2;
+          const float value = l[h] > 0.0f ? o[n][e] / l[h] : 0.0f;  // a query that sees nothing: zeros
+          out[((size_t)(b * L + row) * heads + head) * D + d] = static_cast<T>(value);
+        }
       }
     }
   }
@@ -627,25 +653,40 @@ def flash_fits(q: mx.array) -> bool:
     return q.dtype in (mx.bfloat16, mx.float16) and dim % 16 == 0 and 16 <= dim <= 256
 
 
+# Columns per block of the tensor-core prefill kernel, in chunks fixed from column 0 and
+# met by a second pass (``_COMBINE``); None: one block walks all of a query's columns.
+# Chunks give a short pass after a long cached prefix (a chat's next turn) a block per
+# chunk instead of one per 64 queries of a head (a 16-token turn after 2,048 keys: 72
+# blocks of the Gemma-3-4B shape instead of 8), at the cost of a pass that writes and
+# reads each query's parts. Either gives a query the same bits in any pass; the two
+# give different bits from each other. None until a GPU run has measured both
+# (``bench/attention_kernels.py --prefill-lengths 16,64,2048 --cached 2048``).
+FLASH_CHUNK: int | None = None
+
+
 def flash_prefill_attention(
     q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
-    causal: bool = True, mask: mx.array | None = None,
+    causal: bool = True, mask: mx.array | None = None, chunk: int | None = None,
 ) -> mx.array:
     """``prefill_attention`` on tensor cores (where ``flash_fits``): the same arguments
     and the same result up to rounding; a query's bits follow only its own keys and the
-    columns it sees."""
+    columns it sees. ``chunk``: columns per block, a multiple of 32, or 0 for all of
+    them (default ``FLASH_CHUNK``)."""
     prompts, heads, length, dim = q.shape
+    if chunk is None:
+        chunk = FLASH_CHUNK or 0
+    chunks = -(-keys.shape[2] // chunk) if chunk else 1
     inputs = [q, keys, values] + ([] if mask is None else [mask])
     (out,) = _flash_kernel(scale, mask is not None)(
         inputs=inputs,
         template=[("T", q.dtype), ("D", dim), ("KV_HEADS", keys.shape[1]), ("CAUSAL", causal),
-                  ("WINDOW", (window or 0) if causal else 0)],
-        grid=(-(-length // 64) * 128, heads, prompts),
+                  ("WINDOW", (window or 0) if causal else 0), ("CHUNK", chunk)],
+        grid=(-(-length // 64) * 128, heads, prompts * chunks),
         threadgroup=(128, 1, 1),
-        output_shapes=[(prompts * length, heads * dim)],
-        output_dtypes=[q.dtype],
+        output_shapes=[(prompts * length, heads, chunks, dim + 2) if chunk else (prompts * length, heads * dim)],
+        output_dtypes=[mx.float32 if chunk else q.dtype],
     )
-    return out
+    return _combine(_kernels(scale, "prefill")[1], out, q.dtype) if chunk else out
 
 
 def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: int,
@@ -667,13 +708,20 @@ def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: i
         output_shapes=[(rows, heads, chunks, dim + 2)],
         output_dtypes=[mx.float32],
     )
+    return _combine(combine_kernel, partial, q.dtype)
+
+
+def _combine(combine_kernel, partial: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Pass 2: each query's parts (rows, heads, chunks, dim + 2) met in chunk order,
+    as (rows, heads * dim) of ``dtype``."""
+    rows, heads, _, width = partial.shape
     (out,) = combine_kernel(
         inputs=[partial],
-        template=[("T", q.dtype), ("D", dim)],
+        template=[("T", dtype), ("D", width - 2)],
         grid=(128, heads, rows),
         threadgroup=(128, 1, 1),
-        output_shapes=[(rows, heads * dim)],
-        output_dtypes=[q.dtype],
+        output_shapes=[(rows, heads * (width - 2))],
+        output_dtypes=[dtype],
     )
     return out
 
