@@ -7,7 +7,7 @@ and 8 queries per block (and whether each gives the bits of 1) and its tensor-co
 kernel over all of a query's columns a block or chunks of 256 or 512, against MLX's
 causal attention. ``--cached N``: those passes go on from N keys already in the cache
 (a chat's next turn), where the tensor-core kernel without chunks has the fewest
-blocks. CUDA only.
+blocks. ``--prefill-dim 512``: those passes with Gemma 4's widest heads. CUDA only.
 
     python bench/attention_kernels.py [--batch-sizes 1,64,128] [--prefill-lengths 270,2048]
     python bench/attention_kernels.py --batch-sizes "" --prefill-lengths 16,64,256 --cached 2048
@@ -23,7 +23,9 @@ import mlx.core as mx
 from vlm_serve.engine.decode.cuda_attention import (
     decode_attention,
     flash_prefill_attention,
+    heads_per_block,
     prefill_attention,
+    queries_in_shared_memory,
 )
 
 LAYERS, HEADS, KV_HEADS, DIM, COLUMNS, SCALE = 34, 8, 4, 256, 512, 0.0625
@@ -44,10 +46,12 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,64,128")
     p.add_argument("--prefill-lengths", default="")
     p.add_argument("--cached", type=int, default=0, help="keys already cached before each pass")
+    p.add_argument("--prefill-dim", type=int, default=DIM,
+                   help="head size of the prefill passes (512: Gemma 4's full-attention layers)")
     args = p.parse_args()
     bf16 = mx.bfloat16
     for length in (int(n) for n in args.prefill_lengths.split(",") if n):
-        prefill(length, args.cached)
+        prefill(length, args.cached, args.prefill_dim)
     for rows in (int(b) for b in args.batch_sizes.split(",") if b):
         def store():
             return [mx.random.normal((rows, KV_HEADS, COLUMNS, DIM)).astype(bf16) for _ in range(LAYERS)]
@@ -75,16 +79,17 @@ def main() -> None:
               f"68 KV writes {writes:.2f} ms", flush=True)
 
 
-def prefill(length: int, cached: int = 0) -> None:
+def prefill(length: int, cached: int = 0, dim: int = DIM) -> None:
     """A pass of ``length`` tokens after ``cached`` keys: 34 layers' attention, ms."""
     def layer_inputs(heads, columns):
-        return [mx.random.normal((1, heads, columns, DIM)).astype(mx.bfloat16) for _ in range(LAYERS)]
+        return [mx.random.normal((1, heads, columns, dim)).astype(mx.bfloat16) for _ in range(LAYERS)]
 
     q = layer_inputs(HEADS, length)
     keys, values = layer_inputs(KV_HEADS, cached + length), layer_inputs(KV_HEADS, cached + length)
     mx.eval(q, keys, values)
     cells, one = [], None
-    for queries in (1, 2, 4, 8):
+    most = queries_in_shared_memory(heads_per_block(HEADS, KV_HEADS, dim), dim)
+    for queries in [n for n in (1, 2, 4, 8) if n <= most]:
         def run(n=queries):
             return [prefill_attention(q[i], keys[i], values[i], SCALE, queries=n) for i in range(LAYERS)]
 
@@ -100,7 +105,7 @@ def prefill(length: int, cached: int = 0) -> None:
         flash.append(f"{chunk or 'all'} columns a block {ms:.2f} ms")
     mlx_ms = timed(lambda: [mx.fast.scaled_dot_product_attention(q[i], keys[i], values[i], scale=SCALE,
                                                                   mask="causal") for i in range(LAYERS)], reps=5)
-    after = f" after {cached}" if cached else ""
+    after = (f" after {cached}" if cached else "") + (f", head size {dim}" if dim != DIM else "")
     print(f"prefill {length} tokens{after}: engine kernel " + ", ".join(cells)
           + "; tensor-core kernel " + ", ".join(flash) + f"; MLX {mlx_ms:.2f} ms", flush=True)
 

@@ -168,7 +168,8 @@ class Attention:
         flash_out = "flash_parts.data()" if flash_chunk else "O"
         for causal, window in self.CASES:
             t = f"{BF16}, {dim}, {kv_heads}, {str(causal).lower()}, {window}, {flash_chunk}"
-            grid = f"{{(unsigned)((L + 63) / 64), {heads}, (unsigned)B * flash_chunks}}"
+            rows = 64 if dim <= 256 else 32  # queries per block
+            grid = f"{{(unsigned)((L + {rows - 1}) / {rows}), {heads}, (unsigned)B * flash_chunks}}"
             flash.append(
                 f"if (causal == {int(causal)} && window == {window}) {{\n"
                 f"    if (mask) launch({grid}, {{128, 1, 1}}, [&] {{ "

@@ -210,7 +210,7 @@ FLASH_CHUNKS = [0, 256]
 
 
 @pytest.mark.parametrize("chunk", FLASH_CHUNKS)
-@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (28, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (28, 4, 128), (8, 1, 64), (8, 2, 512)])
 @pytest.mark.parametrize("columns, length, window", [(64, 64, None), (352, 64, None), (427, 300, 128),
                                                      (40, 1, None), (700, 100, None)])
 def test_flash_prefill_matches_mlx_attention(heads, kv_heads, dim, columns, length, window, chunk):
@@ -230,14 +230,15 @@ def test_flash_prefill_matches_mlx_attention(heads, kv_heads, dim, columns, leng
                                atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dim", [256, 512])  # past 256, two warps share a query's sums
 @pytest.mark.parametrize("chunk", FLASH_CHUNKS)
 @pytest.mark.parametrize("window", [None, 100])
-def test_flash_prefill_gives_a_query_the_same_bits_in_any_pass(window, chunk):
+def test_flash_prefill_gives_a_query_the_same_bits_in_any_pass(window, chunk, dim):
     """Alone or padded beside other prompts, as a count or as a mask, and from a cache
     (the same prompt's last queries in a pass of their own, as after a prefix-cache hit)."""
     rng = np.random.default_rng(5)
     columns, length = 520, 300
-    q, keys, values = _pass(rng, 3, 8, 4, 256, columns, length, mx.bfloat16)
+    q, keys, values = _pass(rng, 3, 8, 4, dim, columns, length, mx.bfloat16)
 
     def flash(*args, **kwargs):
         return cuda_attention.flash_prefill_attention(*args, **kwargs, chunk=chunk)

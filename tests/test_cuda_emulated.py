@@ -82,6 +82,11 @@ def chunked_attention():
     return emulation.Attention(flash_chunk=64)  # the tensor-core kernel, 64 columns a block
 
 
+@pytest.fixture(scope="module")
+def wide_attention():
+    return emulation.Attention(heads=2, kv_heads=1, dim=512)  # two warps share a query's sums
+
+
 def _pass(rng, attention, prompts: int, length: int, columns: int):
     return (_bf16(rng, prompts, attention.heads, length, attention.dim),
             _bf16(rng, prompts, attention.kv_heads, columns, attention.dim),
@@ -96,13 +101,17 @@ def _causal_as_mask(length: int, columns: int, window: int) -> np.ndarray:
     return mask[None]
 
 
-@pytest.mark.parametrize("kernel", ["per-query", "tensor-core", "tensor-core in chunks"])
+KERNELS = {"per-query": "attention", "tensor-core": "attention", "tensor-core in chunks": "chunked_attention",
+           "tensor-core, 512 dims": "wide_attention"}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 def test_prefill_attention_gives_a_query_the_same_bits_in_any_pass(request, kernel):
     """Close to float64; with 1, 2 or 4 queries a block (the per-query kernel); alone or
     beside other prompts; given its keys as a count, a window or a mask; beside columns
     it does not see (a longer prompt's, in a padded pass); and from a cache (its
     prompt's last queries in a pass of their own)."""
-    attention = request.getfixturevalue("chunked_attention" if "chunks" in kernel else "attention")
+    attention = request.getfixturevalue(KERNELS[kernel])
     tensor_cores = kernel != "per-query"
     rng = np.random.default_rng(len(kernel))
     length, columns = 12, 200

@@ -4,7 +4,7 @@
 # (cuda_matmul.PREFETCH_ROWS_MAX_TILES, SMALL_BLOCK_ROWS), several prefill queries per
 # attention block (cuda_attention.MAX_QUERIES_PER_BLOCK) and the tensor-core prefill
 # attention (cuda_attention.FLASH_PREFILL), over all of a query's columns a block or in
-# chunks (FLASH_CHUNK). Their bit-for-bit tests, their timings, and
+# chunks (FLASH_CHUNK), and for heads of 512 (FLASH_MAX_DIM). Their bit-for-bit tests, their timings, and
 # one prefill pass and one decode step of the Gemma-3-4B shape with each setting.
 #   OUT=DIR bash bench/gpu/kernel_variants.sh
 # STEPS picks parts (default: all of "tests matmul attention prefill decode"), so the run
@@ -31,6 +31,9 @@ fi
 if wanted attention; then
   echo "== 34 layers' prefill attention"
   python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 2>&1 | tee "$OUT/attention.txt"
+  echo "== the same with Gemma 4's widest heads (512)"
+  python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 270,2048 --prefill-dim 512 2>&1 \
+    | tee "$OUT/attention-512.txt"
   echo "== 34 layers' attention of a chat's next turn, after 2,048 cached keys"
   python3 bench/attention_kernels.py --batch-sizes "" --prefill-lengths 16,64,256 --cached 2048 2>&1 \
     | tee "$OUT/attention-cached.txt"

@@ -327,8 +327,9 @@ _COMBINE = """
 """
 
 
-# A prefill pass on tensor cores (bfloat16/float16, head dims of 16 to 256 in steps of
-# 16): one block per 64 queries of a (prompt, head), a warp per 16 of them. Key tiles of
+# A prefill pass on tensor cores (bfloat16/float16, head dims of 16 to 512 in steps of
+# 16): one block per 64 queries of a (prompt, head), a warp per 16 of them (past 256
+# dims, 32 queries and two warps per 16, each with half of the dims). Key tiles of
 # KB columns from column 0 are staged in shared memory for the block's warps; each warp
 # multiplies its queries by a tile's keys (``mma.sync``), folds the scores into a running
 # max and sum per query (online softmax, float32), rounds the weights to T and multiplies
@@ -344,10 +345,13 @@ _COMBINE = """
 # of few queries after many cached keys (a chat's next turn) runs on a block per chunk
 # rather than one block walking every tile.
 _FLASH = """
-  constexpr int KB = 32;  // keys per tile
-  constexpr int ROWS = 64;  // queries per block: 16 per warp
+  // Past 256 dims a query's sums take two warps, each its half of the dims (both work
+  // out the same scores), and tiles are half as wide, to fit registers and shared memory.
+  constexpr int HALVES = D > 256 ? 2 : 1;
+  constexpr int KB = 32 / HALVES;  // keys per tile
+  constexpr int ROWS = 64 / HALVES;  // queries per block: 16 per warp (per pair of warps)
   constexpr int NT = KB / 8;  // tiles of 8 keys in a tile's scores
-  constexpr int DT = D / 8;  // tiles of 8 dims in a query's sums
+  constexpr int DT = D / 8 / HALVES;  // tiles of 8 dims in this warp's part of the sums
   constexpr int STRIDE = D + 8;  // elements per staged row: 16 bytes of padding
   __shared__ uint4 k_words[KB * STRIDE * sizeof(T) / 16];
   __shared__ uint4 v_words[KB * STRIDE * sizeof(T) / 16];
@@ -360,7 +364,9 @@ _FLASH = """
   const int head = blockIdx.y, b = blockIdx.z / chunks, chunk = blockIdx.z % chunks;
   const int kv_head = head / (heads / KV_HEADS);
   const int q0 = blockIdx.x * ROWS;
-  const int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};  // this lane's queries
+  const int row0 = q0 + warp / HALVES * 16 + g;
+  const int rows[2] = {row0, row0 + 8};  // this lane's queries
+  const int d_first = warp % HALVES * (D / HALVES);  // this warp's first dim of the sums
   const T* q_b = q + ((size_t)b * heads + head) * L * D;
   const T* k_b = keys + ((size_t)b * KV_HEADS + kv_head) * columns * D;
   const T* v_b = values + ((size_t)b * KV_HEADS + kv_head) * columns * D;
@@ -479,7 +485,7 @@ _FLASH = """
       const int k0 = kk * 16 + 2 * t;
 #pragma unroll
       for (int n = 0; n < DT; ++n) {
-        const int d = n * 8 + g;
+        const int d = d_first + n * 8 + g;
         const unsigned b0 = pack(vs[k0][d], vs[k0 + 1][d]);
         const unsigned b1 = pack(vs[k0 + 8][d], vs[k0 + 9][d]);
         mma16816(o[n], a, b0, b1, T());
@@ -495,8 +501,8 @@ _FLASH = """
       float* part = out + (((size_t)(b * L + rows[h]) * heads + head) * chunks + chunk) * (D + 2);
 #pragma unroll
       for (int n = 0; n < DT; ++n)
-        for (int e = 0; e < 2; ++e) part[n * 8 + 2 * t + e] = o[n][2 * h + e];
-      if (t == 0) part[D] = m[h], part[D + 1] = l[h];
+        for (int e = 0; e < 2; ++e) part[d_first + n * 8 + 2 * t + e] = o[n][2 * h + e];
+      if (t == 0 && d_first == 0) part[D] = m[h], part[D + 1] = l[h];
     }
   } else {
 #pragma unroll
@@ -505,7 +511,7 @@ _FLASH = """
       for (int e = 0; e < 4; ++e) {
         const int h = e / 2, row = rows[h];
         if (row < L) {
-          const int d = n * 8 + 2 * t + e % 2;
+          const int d = d_first + n * 8 + 2 * t + e % 2;
           const float value = l[h] > 0.0f ? o[n][e] / l[h] : 0.0f;  // a query that sees nothing: zeros
           out[((size_t)(b * L + row) * heads + head) * D + d] = static_cast<T>(value);
         }
@@ -647,10 +653,17 @@ def prefill_attention(
 FLASH_PREFILL = True
 
 
+# The widest heads the tensor-core prefill kernel takes by default. Up to 512 (Gemma 4's
+# full-attention layers) it can: past 256 two warps share a query's sums, each half of
+# the dims; that has run only on the CPU emulation, so 256 until a GPU run has checked
+# and measured it (``tests/test_cuda_attention.py``, ``bench/attention_kernels.py``).
+FLASH_MAX_DIM = 256
+
+
 def flash_fits(q: mx.array) -> bool:
     """Whether the tensor-core prefill kernel takes queries like ``q``."""
     dim = q.shape[-1]
-    return q.dtype in (mx.bfloat16, mx.float16) and dim % 16 == 0 and 16 <= dim <= 256
+    return q.dtype in (mx.bfloat16, mx.float16) and dim % 16 == 0 and 16 <= dim <= FLASH_MAX_DIM
 
 
 # Columns per block of the tensor-core prefill kernel, in chunks fixed from column 0 and
@@ -681,7 +694,7 @@ def flash_prefill_attention(
         inputs=inputs,
         template=[("T", q.dtype), ("D", dim), ("KV_HEADS", keys.shape[1]), ("CAUSAL", causal),
                   ("WINDOW", (window or 0) if causal else 0), ("CHUNK", chunk)],
-        grid=(-(-length // 64) * 128, heads, prompts * chunks),
+        grid=(-(-length // (64 if dim <= 256 else 32)) * 128, heads, prompts * chunks),
         threadgroup=(128, 1, 1),
         output_shapes=[(prompts * length, heads, chunks, dim + 2) if chunk else (prompts * length, heads * dim)],
         output_dtypes=[mx.float32 if chunk else q.dtype],
