@@ -71,8 +71,9 @@ def test_plain_weights_match_float64_and_each_row_is_exact(width, out, bias, dty
 @pytest.mark.parametrize("bits", [None, 4])
 def test_rows_loaded_ahead_give_the_same_bits(bits, monkeypatch):
     """Blocks of few rows load the next chunk's rows with its weights: every output the
-    same to the bit as loading them just before their multiply-adds, and as blocks of
-    at most 32 rows at every row count."""
+    same to the bit as loading them just before their multiply-adds, as blocks of at
+    most 32 rows at every row count, and as a column tile's row blocks first in the
+    grid."""
     layer = _layer(2560, 1024, mx.bfloat16, True, bits)
     x = _rows(130, 2560, mx.bfloat16)
     for m in (1, 7, 16, 17, 33, 64, 65, 130):
@@ -84,8 +85,11 @@ def test_rows_loaded_ahead_give_the_same_bits(bits, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(cuda_matmul, "ROW_TILES", (1, 2))
             small_blocks = cuda_matmul.linear(x[:m], layer)
+            patch.setattr(cuda_matmul, "ROW_BLOCKS_FIRST", not cuda_matmul.ROW_BLOCKS_FIRST)
+            rows_first = cuda_matmul.linear(x[:m], layer)
         assert mx.array_equal(not_ahead, default).item(), f"{m} rows"
         assert mx.array_equal(small_blocks, default).item(), f"{m} rows, blocks of 32"
+        assert mx.array_equal(rows_first, default).item(), f"{m} rows, the other block order"
 
 
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (4, 128), (8, 64)])

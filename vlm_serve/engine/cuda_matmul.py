@@ -111,8 +111,8 @@ _SOURCE = """
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   const int M = x_shape[0];
-  const int n0 = blockIdx.x * (FT * 8);
-  const int m0 = blockIdx.y * (TILES * 16);
+  const int n0 = (ROWS_FIRST ? blockIdx.y : blockIdx.x) * (FT * 8);
+  const int m0 = (ROWS_FIRST ? blockIdx.x : blockIdx.y) * (TILES * 16);
   float acc[TILES][FT][4];
   for (int i = 0; i < TILES; ++i)
     for (int f = 0; f < FT; ++f)
@@ -301,6 +301,16 @@ def fits(module: nn.Module, dtype: mx.Dtype) -> bool:
             and dtype in (mx.bfloat16, mx.float16))
 
 
+# Whether the blocks of one column tile's row blocks come one after another (the grid's
+# first axis runs over row blocks). The card starts blocks in grid order: with column
+# blocks first, a weight larger than L2 (gate/up, down, the output layer) is likely read
+# from memory once per row block. The output layer took 0.85 ms at 64 rows in blocks of
+# 32 against MLX's 0.38 on an H200, and 1.63 against 1.22 ms at 128 rows in blocks of 32
+# rather than 128. With row blocks first, a weight's row blocks run side by side and
+# read it once. The blocks compute the same either way (the same bits); off until a GPU
+# run has shown that and measured it (``bench/matmul_rows.py --timing --variants``).
+ROW_BLOCKS_FIRST = False
+
 # Blocks of at most this many tiles of 16 rows load the next chunk's rows with its weights,
 # ahead of this chunk's multiply-adds: the same operands in the same order, so the same
 # bits (``tests/test_cuda_matmul.py``). Registers a thread (nvcc for sm_90, bf16):
@@ -357,11 +367,14 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
         )[0]
     else:
         tiles, column_tiles, warps = layout(m, width)
+        row_blocks, column_blocks = max(1, -(-m // (tiles * 16))), -(-n // (8 * column_tiles))
+        blocks = (row_blocks, column_blocks) if ROW_BLOCKS_FIRST else (column_blocks, row_blocks)
         out = _kernel(bias is not None, "quantized" if quantized else "plain")(
             **common,
             template=[("T", x.dtype), *template, ("TILES", tiles), ("FT", column_tiles),
-                      ("WARPS", warps), ("PREFETCH_ROWS", tiles <= PREFETCH_ROWS_MAX_TILES)],
-            grid=(-(-n // (8 * column_tiles)) * warps * 32, max(1, -(-m // (tiles * 16))), 1),
+                      ("WARPS", warps), ("PREFETCH_ROWS", tiles <= PREFETCH_ROWS_MAX_TILES),
+                      ("ROWS_FIRST", ROW_BLOCKS_FIRST)],
+            grid=(blocks[0] * warps * 32, blocks[1], 1),
             threadgroup=(warps * 32, 1, 1),
         )[0]
     return out.reshape(*lead, n)
