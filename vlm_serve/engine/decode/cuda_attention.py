@@ -671,7 +671,9 @@ def flash_fits(q: mx.array) -> bool:
 # Chunks give a short pass after a long cached prefix (a chat's next turn) a block per
 # chunk instead of one per 64 queries of a head (a 16-token turn after 2,048 keys: 72
 # blocks of the Gemma-3-4B shape instead of 8), at the cost of a pass that writes and
-# reads each query's parts. Either gives a query the same bits in any pass; the two
+# reads each query's parts (float32, (dim + 2) per query, head and chunk: 135 MB a layer
+# for a 2,048-token prompt of that shape in chunks of 256, as the per-query kernel
+# writes). Either gives a query the same bits in any pass; the two
 # give different bits from each other. None until a GPU run has measured both
 # (``bench/attention_kernels.py --prefill-lengths 16,64,2048 --cached 2048``).
 FLASH_CHUNK: int | None = None
