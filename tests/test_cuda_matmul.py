@@ -137,7 +137,15 @@ def test_installed_on_a_model_and_its_images_get_tower_calls_of_their_own(model_
     assert "Linear" not in kinds and "_ExactLinear" in kinds
 
 
-def test_long_prompts_in_shared_passes_get_their_tokens_alone(model_path):
+# The tiny fixtures are float32, which takes the float32 matmul and the per-query
+# attention; bfloat16 weights take the tensor-core matmul and prefill attention that real
+# checkpoints take. Gemma 3 prefills through the engine, the others through mlx-vlm's
+# code with its attention routed to the engine's kernels.
+MODELS = [("gemma3", None), ("gemma3", "bfloat16"), ("qwen2_5_vl", "bfloat16"), ("gemma4", "bfloat16")]
+
+
+@pytest.mark.parametrize("arch,dtype", MODELS)
+def test_long_prompts_in_shared_passes_get_their_tokens_alone(arch, dtype):
     """Prompts of a few hundred tokens, prefilled in passes longer than the short ones
     that always took the engine's attention kernel, submitted together (shared and
     padded passes) and each on an engine that serves one request at a time."""
@@ -147,10 +155,11 @@ def test_long_prompts_in_shared_passes_get_their_tokens_alone(model_path):
     from vlm_serve.engine.engine import Engine
     from vlm_serve.engine.scheduler import SchedulerConfig
     from vlm_serve.engine.types import SamplingParams
+    from vlm_serve.fixtures.build import cached_model
     from vlm_serve.preprocess.media import MediaPolicy
     from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-    path = str(model_path("gemma3"))
+    path = str(cached_model(arch, dtype=dtype))
     engine, alone = Engine(path, SchedulerConfig(max_num_seqs=8)), EngineAlone(path, 512)
     engine.start()
     try:
