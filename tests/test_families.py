@@ -492,6 +492,44 @@ def test_warm_up_runs_each_padded_pass_length_where_passes_are_padded(caplog, mo
         engine.shutdown()
 
 
+# Float32 and bfloat16 weights: on CUDA the tiny float32 fixtures take the float32 matmul
+# and the per-query attention, bfloat16 ones the tensor-core matmul and prefill attention
+# that real checkpoints take. Gemma 3 prefills through the engine, the others through
+# mlx-vlm's code (on CUDA with its attention routed to the engine's kernels).
+SHARED_PASS_MODELS = [("gemma3", None), ("gemma3", "bfloat16"), ("qwen2_5_vl", "bfloat16"),
+                      ("gemma4", "bfloat16")]
+
+
+@pytest.mark.parametrize("arch,dtype", SHARED_PASS_MODELS)
+def test_long_prompts_in_shared_passes_get_their_tokens_alone(arch, dtype):
+    """Prompts of a few hundred tokens and short ones, submitted together while another
+    row decodes (shared and padded passes), each get the tokens of an engine that serves
+    one request at a time."""
+    from oracle import EngineAlone
+
+    path = str(cached_model(arch, dtype=dtype))
+    engine, alone = Engine(path, SchedulerConfig(max_num_seqs=8)), EngineAlone(path, 512)
+    engine.start()
+    try:
+        loaded = engine.loaded
+        ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
+
+        def prepare(rid: str, text: str, max_tokens: int = 12):
+            prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "text", "text": text}]}])
+            return prepare_prompt(ctx, rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+        texts = [LONG_TEXT, LONG_TEXT[:700], LONG_TEXT + LONG_TEXT[:500], LONG_TEXT[:300], "Tell me about the sea."]
+        jobs = [(prepare(f"long-{i}", text), None, None) for i, text in enumerate(texts)]
+        assert max(len(p.input_ids) for p, _, _ in jobs) > 300
+        results = run_held(engine, prepare("hold", "Hi!", 3), jobs)
+        for prepared, _, _ in jobs:
+            got = results[prepared.request_id]
+            assert got["error"] is None and got["tokens"] == alone(prepared), prepared.request_id
+    finally:
+        engine.shutdown()
+        alone.shutdown()
+
+
 def test_a_failing_warm_up_request_stops_startup_with_its_error(monkeypatch):
     """A warm-up request that ends in an error (on a GPU: a kernel MLX cannot compile on
     that machine) stops startup, naming the request and the error, rather than leaving a
