@@ -502,8 +502,9 @@ SHARED_PASS_MODELS = [("gemma3", None), ("gemma3", "bfloat16"), ("qwen2_5_vl", "
 
 @pytest.mark.parametrize("arch,dtype", SHARED_PASS_MODELS)
 def test_long_prompts_in_shared_passes_get_their_tokens_alone(arch, dtype):
-    """Prompts of a few hundred tokens and short ones, submitted together while another
-    row decodes (shared and padded passes), each get the tokens of an engine that serves
+    """Prompts of a few hundred tokens and short ones, with and without an image (Gemma
+    4's image tokens see each other both ways), submitted together while another row
+    decodes (shared and padded passes), each get the tokens of an engine that serves
     one request at a time."""
     from oracle import EngineAlone
 
@@ -514,14 +515,18 @@ def test_long_prompts_in_shared_passes_get_their_tokens_alone(arch, dtype):
         loaded = engine.loaded
         ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
 
-        def prepare(rid: str, text: str, max_tokens: int = 12):
-            prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "text", "text": text}]}])
-            return prepare_prompt(ctx, rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        def prepare(rid: str, text: str, images=(), max_tokens: int = 12):
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+            prompt = render_chat(ctx, [{"role": "user", "content": content}])
+            return prepare_prompt(ctx, rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                  list(images))
 
         texts = [LONG_TEXT, LONG_TEXT[:700], LONG_TEXT + LONG_TEXT[:500], LONG_TEXT[:300], "Tell me about the sea."]
         jobs = [(prepare(f"long-{i}", text), None, None) for i, text in enumerate(texts)]
+        jobs += [(prepare("image", "Describe this picture.", [make_image(60, 40, 1)]), None, None),
+                 (prepare("image-long", LONG_TEXT[:400], [make_image(48, 64, 2)]), None, None)]
         assert max(len(p.input_ids) for p, _, _ in jobs) > 300
-        results = run_held(engine, prepare("hold", "Hi!", 3), jobs)
+        results = run_held(engine, prepare("hold", "Hi!", max_tokens=3), jobs)
         for prepared, _, _ in jobs:
             got = results[prepared.request_id]
             assert got["error"] is None and got["tokens"] == alone(prepared), prepared.request_id
