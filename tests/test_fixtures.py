@@ -303,7 +303,8 @@ def test_cached_model_reuses_one_directory(fixture_cache):
     assert first.parent == fixture_cache
     assert cached_model("gemma3", seed=1) != first
     bf16 = cached_model("gemma3", dtype="bfloat16")  # a directory of its own, bfloat16 weights
-    assert bf16 != first and {v.dtype for v in mx.load(str(bf16 / "model.safetensors")).values()} == {mx.bfloat16}
+    assert bf16 != first
+    assert {v.dtype for v in mx.load(str(bf16 / "model.safetensors")).values()} == {mx.bfloat16}
     # No temporary build directories are left behind.
     assert not [p for p in fixture_cache.iterdir() if p.name.startswith(".")]
 
