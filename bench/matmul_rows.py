@@ -142,5 +142,6 @@ def layouts() -> None:
                      for column_tiles in (1, 2, 4) for warps in (4, 8)]
             print(f"bf16 {width}x{out} rows {m} (MLX {mlx_ms:.3f} ms): " + ", ".join(cells), flush=True)
 
+
 if __name__ == "__main__":
     main()

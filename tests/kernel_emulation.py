@@ -17,6 +17,7 @@ import numpy as np
 
 from vlm_serve.engine import cuda_matmul
 from vlm_serve.engine.decode import cuda_attention
+from vlm_serve.mlx_runtime import kernel_constant
 
 HERE = Path(__file__).parent
 BF16 = "__nv_bfloat16"
@@ -171,10 +172,10 @@ class Attention:
                     f"prefill<{t}>(Q, qs, K, ks, V, partial.data()); }});\n  }}")
         # The tensor-core kernel writes the output, or with chunks each chunk's parts.
         flash_out = "flash_parts.data()" if flash_chunk else "O"
+        rows = cuda_attention.flash_queries_per_block(dim)
+        grid = f"{{(unsigned)((L + {rows - 1}) / {rows}), {heads}, (unsigned)B * flash_chunks}}"
         for causal, window in self.CASES:
             t = f"{BF16}, {dim}, {kv_heads}, {str(causal).lower()}, {window}, {flash_chunk}"
-            rows = 64 if dim <= 256 else 32  # queries per block
-            grid = f"{{(unsigned)((L + {rows - 1}) / {rows}), {heads}, (unsigned)B * flash_chunks}}"
             flash.append(
                 f"if (causal == {int(causal)} && window == {window}) {{\n"
                 f"    if (mask) launch({grid}, {{128, 1, 1}}, [&] {{ "
@@ -190,7 +191,7 @@ class Attention:
         nl = "\n  "
         self.lib = build(f"""#include "cuda_emulator.h"
 {a._HEADER}
-#define SCALE {float(scale)!r}f
+{kernel_constant("SCALE", scale)[0]}
 {prefill_params}
 void prefill({qkv}, float* partial) {{
 {row.replace("  VISIBLE" + chr(10), a._ALL_VISIBLE) + a._PARTIAL}

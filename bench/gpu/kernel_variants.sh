@@ -44,9 +44,9 @@ fi
 # A bench script with one setting changed from the default: "not-ahead" (rows loaded just
 # before their multiply-adds, blocks of up to 128 rows), "rows-first" (a column tile's
 # row blocks first in the matmul's grid), "rows-first-32" (that, in blocks of at most 32
-# rows at every count), "queries" (up to 8 prefill
-# queries a block), "per-query" (the per-query prefill attention, not the tensor-core
-# one), "chunks" (the tensor-core one in chunks of 256 columns), or "default".
+# rows at every count), "queries" (up to 8 prefill queries a block), "per-query" (the
+# per-query prefill attention, not the tensor-core one), "chunks" (the tensor-core one
+# in chunks of 256 columns), or "default".
 with_setting() {
   local setting=$1 script=$2
   shift 2

@@ -666,6 +666,12 @@ def flash_fits(q: mx.array) -> bool:
     return q.dtype in (mx.bfloat16, mx.float16) and dim % 16 == 0 and 16 <= dim <= FLASH_MAX_DIM
 
 
+def flash_queries_per_block(dim: int) -> int:
+    """Queries a block of the tensor-core prefill kernel takes (its ``ROWS``): 16 per
+    warp, or past 256 dims 16 per pair of warps."""
+    return 64 if dim <= 256 else 32
+
+
 # Columns per block of the tensor-core prefill kernel, in chunks fixed from column 0 and
 # met by a second pass (``_COMBINE``); None: one block walks all of a query's columns.
 # Chunks give a short pass after a long cached prefix (a chat's next turn) a block per
@@ -673,8 +679,8 @@ def flash_fits(q: mx.array) -> bool:
 # blocks of the Gemma-3-4B shape instead of 8), at the cost of a pass that writes and
 # reads each query's parts (float32, (dim + 2) per query, head and chunk: 135 MB a layer
 # for a 2,048-token prompt of that shape in chunks of 256, as the per-query kernel
-# writes). Either gives a query the same bits in any pass; the two
-# give different bits from each other. None until a GPU run has measured both
+# writes). Either gives a query the same bits in any pass; the two give different bits
+# from each other. None until a GPU run has measured both
 # (``bench/attention_kernels.py --prefill-lengths 16,64,2048 --cached 2048``).
 FLASH_CHUNK: int | None = None
 
@@ -696,7 +702,7 @@ def flash_prefill_attention(
         inputs=inputs,
         template=[("T", q.dtype), ("D", dim), ("KV_HEADS", keys.shape[1]), ("CAUSAL", causal),
                   ("WINDOW", (window or 0) if causal else 0), ("CHUNK", chunk)],
-        grid=(-(-length // (64 if dim <= 256 else 32)) * 128, heads, prompts * chunks),
+        grid=(-(-length // flash_queries_per_block(dim)) * 128, heads, prompts * chunks),
         threadgroup=(128, 1, 1),
         output_shapes=[(prompts * length, heads, chunks, dim + 2) if chunk else (prompts * length, heads * dim)],
         output_dtypes=[mx.float32 if chunk else q.dtype],
