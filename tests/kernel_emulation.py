@@ -184,7 +184,8 @@ class Attention:
         prefill_params = ("template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, "
                           "bool CAUSAL, int WINDOW>")
         flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW, int CHUNK>"
-        flash_type = "float" if flash_chunk else "T"
+        # Concrete, as MLX declares a kernel's outputs: a branch that does not fit them fails here too.
+        flash_type = "float" if flash_chunk else BF16
         qkv = "const T* q, const int* q_shape, const T* keys, const int* keys_shape, const T* values"
         mask_args = "const bool* mask, const int* mask_shape"
         row = a._COMMON + a._PREFILL_ROW

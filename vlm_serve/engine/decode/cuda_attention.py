@@ -498,7 +498,9 @@ _FLASH = """
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (rows[h] >= L) continue;
-      float* part = out + (((size_t)(b * L + rows[h]) * heads + head) * chunks + chunk) * (D + 2);
+      // out is float32 here; the cast keeps the branch compiling where it is not.
+      float* part = reinterpret_cast<float*>(out)
+                    + (((size_t)(b * L + rows[h]) * heads + head) * chunks + chunk) * (D + 2);
 #pragma unroll
       for (int n = 0; n < DT; ++n)
         for (int e = 0; e < 2; ++e) part[d_first + n * 8 + 2 * t + e] = o[n][2 * h + e];
