@@ -72,8 +72,8 @@ def test_plain_weights_match_float64_and_each_row_is_exact(width, out, bias, dty
 def test_rows_loaded_ahead_give_the_same_bits(bits, monkeypatch):
     """Blocks of few rows load the next chunk's rows with its weights: every output the
     same to the bit as loading them just before their multiply-adds, as blocks of at
-    most 32 rows at every row count, and as a column tile's row blocks first in the
-    grid."""
+    most 32 rows at every row count, and with the grid's other block order (column
+    blocks first or row blocks first)."""
     layer = _layer(2560, 1024, mx.bfloat16, True, bits)
     x = _rows(130, 2560, mx.bfloat16)
     for m in (1, 7, 16, 17, 33, 64, 65, 130):

@@ -5,7 +5,7 @@
 # attention block (cuda_attention.MAX_QUERIES_PER_BLOCK) and the tensor-core prefill
 # attention (cuda_attention.FLASH_PREFILL), over all of a query's columns a block or in
 # chunks (FLASH_CHUNK), and for heads of 512 (FLASH_MAX_DIM); and the matmul's grid
-# with a column tile's row blocks first (cuda_matmul.ROW_BLOCKS_FIRST). Their
+# with a column tile's row blocks first or not (cuda_matmul.ROW_BLOCKS_FIRST). Their
 # bit-for-bit tests, their timings, and one prefill pass and one decode step of the
 # Gemma-3-4B shape with each setting.
 #   OUT=DIR bash bench/gpu/kernel_variants.sh
@@ -42,8 +42,8 @@ if wanted attention; then
 fi
 
 # A bench script with one setting changed from the default: "not-ahead" (rows loaded just
-# before their multiply-adds, blocks of up to 128 rows), "rows-first" (a column tile's
-# row blocks first in the matmul's grid), "rows-first-32" (that, in blocks of at most 32
+# before their multiply-adds, blocks of up to 128 rows), "columns-first" (the matmul's
+# grid over column blocks first, the old order), "blocks-32" (blocks of at most 32
 # rows at every count), "queries" (up to 8 prefill queries a block), "per-query" (the
 # per-query prefill attention, not the tensor-core one), "chunks" (the tensor-core one
 # in chunks of 256 columns), or "default".
@@ -60,9 +60,9 @@ from vlm_serve.engine.decode import cuda_attention
 setting, script = sys.argv[1], sys.argv[2]
 if setting == "not-ahead":
     cuda_matmul.PREFETCH_ROWS_MAX_TILES, cuda_matmul.SMALL_BLOCK_ROWS = 0, 0
-if setting.startswith("rows-first"):
-    cuda_matmul.ROW_BLOCKS_FIRST = True
-if setting == "rows-first-32":
+if setting == "columns-first":
+    cuda_matmul.ROW_BLOCKS_FIRST = False
+if setting == "blocks-32":
     cuda_matmul.ROW_TILES = (1, 2)
 if setting == "queries":
     cuda_attention.FLASH_PREFILL, cuda_attention.MAX_QUERIES_PER_BLOCK = False, 8
@@ -80,7 +80,7 @@ wanted prefill && for setting in ${PREFILL_SETTINGS:-default chunks per-query}; 
   with_setting $setting bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
     --out "$OUT/prefill-$setting.json" 2>&1 | tail -4
 done
-wanted decode && for setting in ${DECODE_SETTINGS:-default rows-first rows-first-32 not-ahead}; do
+wanted decode && for setting in ${DECODE_SETTINGS:-default columns-first blocks-32 not-ahead}; do
   echo "== $setting: decode step"
   with_setting $setting bench/decode_step.py --model $BIG --batch-sizes 1,32,64,128 --columns engine \
     --steps 32 2>&1 | grep -E "^[0-9]+ " | tee "$OUT/decode-$setting.txt"

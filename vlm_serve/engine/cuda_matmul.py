@@ -304,12 +304,12 @@ def fits(module: nn.Module, dtype: mx.Dtype) -> bool:
 # Whether the blocks of one column tile's row blocks come one after another (the grid's
 # first axis runs over row blocks). The card starts blocks in grid order: with column
 # blocks first, a weight larger than L2 (gate/up, down, the output layer) is likely read
-# from memory once per row block. The output layer took 0.85 ms at 64 rows in blocks of
-# 32 against MLX's 0.38 on an H200, and 1.63 against 1.22 ms at 128 rows in blocks of 32
-# rather than 128. With row blocks first, a weight's row blocks run side by side and
-# read it once. The blocks compute the same either way (the same bits); off until a GPU
-# run has shown that and measured it (``bench/matmul_rows.py --timing --variants``).
-ROW_BLOCKS_FIRST = False
+# from memory once per row block. On an H200 (bf16, Gemma-3-4B shape) row blocks first
+# took the output layer at 64 rows from 0.84 to 0.72 ms, gate/up from 0.10 to 0.09 ms at
+# 64 rows and from 0.77 to 0.59 at 1,024, and the B=64 decode step from 12.4 to 11.1 ms;
+# elsewhere it was level within the run's noise (4-bit weights, which fit in L2, either
+# way by up to 15%). The blocks compute the same either way (the same bits).
+ROW_BLOCKS_FIRST = True
 
 # Blocks of at most this many tiles of 16 rows load the next chunk's rows with its weights,
 # ahead of this chunk's multiply-adds: the same operands in the same order, so the same
