@@ -189,7 +189,8 @@ class Attention:
         prefill_params = ("template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, "
                           "bool CAUSAL, int WINDOW>")
         flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW, int CHUNK>"
-        # Concrete, as MLX declares a kernel's outputs: a branch that does not fit them fails here too.
+        # Concrete, as MLX declares a kernel's outputs (g++ does not check a discarded branch
+        # against them; tests/test_cuda_sources.py does, with nvcc).
         flash_type = "float" if flash_chunk else BF16
         qkv = "const T* q, const int* q_shape, const T* keys, const int* keys_shape, const T* values"
         mask_args = "const bool* mask, const int* mask_shape"

@@ -44,9 +44,9 @@ fi
 
 # A bench script with one setting changed from the default: "not-ahead" (rows loaded just
 # before their multiply-adds, blocks of up to 128 rows), "columns-first" (the matmul's
-# grid over column blocks first, the old order), "blocks-32" (blocks of at most 32
-# rows at every count), "min-blocks" (blocks of 16 or 8 columns where the grid would
-# have fewer than 264 blocks), "queries" (up to 8 prefill queries a block), "per-query" (the
+# grid over column blocks first, the old order), "blocks-32" (blocks of at most 32 rows
+# at every count), "min-blocks" (blocks of 16 or 8 columns where the grid would have
+# fewer than 264 blocks), "queries" (up to 8 prefill queries a block), "per-query" (the
 # per-query prefill attention, not the tensor-core one), "chunks" (the tensor-core one
 # in chunks of 256 columns), or "default".
 with_setting() {

@@ -59,9 +59,9 @@ SMALL_BLOCK_ROWS = 64
 
 # A weight with few output columns (a 4B model's o and down projections: 80 blocks of
 # 32 columns; qkv: 128) leaves many of an H100's or H200's 132 SMs idle at one row block.
-# Where the grid would have fewer blocks than this, blocks take 16 or 8 columns instead
-# of 32 (down to 8). Only speed changes: a block's columns do not change any sum. Off
-# (0) until a GPU run measures it (``bench/matmul_rows.py --timing --variants``).
+# Where the grid would have fewer blocks than this, blocks take 16 columns instead of 32,
+# or 8 if still too few. Only speed changes: a block's columns do not change any sum.
+# Off (0) until a GPU run measures it (``bench/matmul_rows.py --timing --variants``).
 MIN_BLOCKS = 0
 
 
