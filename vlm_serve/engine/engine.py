@@ -14,7 +14,7 @@ import threading
 from contextvars import ContextVar
 from typing import AsyncIterator
 
-from . import loader, weight_layout
+from . import loader, quantized_check, weight_layout
 from .families import family_for
 from .memory import KVBudget
 from .scheduler import Abort, Cancel, Scheduler, SchedulerConfig, Shutdown, Submit
@@ -98,6 +98,7 @@ class Engine:
                 parallel.shard(self.loaded)  # before the family fuses the weights it decodes with
             weight_layout.lay_out(self.loaded.model)  # its own weights only, after any shard
             family = family_for(self.loaded.model, self.vision_cache_size, self.vision_cache_bytes)
+            quantized_check.check(self.loaded.model)  # after the row-exact matmul is installed
             self.scheduler = (parallel.scheduler_class if parallel is not None else Scheduler)(
                 self.loaded.model,
                 family,
