@@ -102,9 +102,7 @@ def main() -> None:
 
 # Other settings of the kernel, each giving the default's bits: rows loaded just before
 # their multiply-adds (no rows ahead); blocks of at most 32 or 64 rows at every row
-# count; each of those with the grid over column blocks first (the old order); and
-# blocks narrower than 32 columns where the grid would have fewer than 264 blocks (two
-# per SM of an H100 or H200).
+# count; and each of those with the grid over column blocks first (the old order).
 VARIANTS = {
     "rows not ahead": {"PREFETCH_ROWS_MAX_TILES": 0, "SMALL_BLOCK_ROWS": 0},
     "blocks of 32": {"ROW_TILES": (1, 2)},
@@ -112,7 +110,6 @@ VARIANTS = {
     "column blocks first": {"ROW_BLOCKS_FIRST": False},
     "column blocks first, blocks of 32": {"ROW_BLOCKS_FIRST": False, "ROW_TILES": (1, 2)},
     "column blocks first, blocks of 64": {"ROW_BLOCKS_FIRST": False, "ROW_TILES": (1, 2, 4)},
-    "at least 264 blocks": {"MIN_BLOCKS": 264},
 }
 
 
@@ -139,7 +136,7 @@ def layouts() -> None:
         for m in (1, 64, 128, 1024):
             inputs = [rows(m, width, 7 + i % 5) for i in range(20)]
             mlx_ms = per_call_ms(module, inputs)
-            tiles = cuda_matmul.layout(m, width, out)[0]
+            tiles = cuda_matmul.layout(m, width)[0]
             cells = [f"ft{column_tiles}/w{warps} " + variant_timing(
                          {"layout": lambda *_, c=column_tiles, w=warps: (tiles, c, w)}, module, inputs, mlx_ms)
                      for column_tiles in (1, 2, 4) for warps in (4, 8)]

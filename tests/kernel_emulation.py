@@ -90,17 +90,14 @@ class Matmul:
         for tiles in (1, 2, 4, 8):
             for ahead in (0, 1):
                 for rows_first in (0, 1):
-                    for ft in (1, 2, 4):
-                        blocks = [f"{-(-out // (8 * ft))}u",
-                                  f"(unsigned)((M + {16 * tiles - 1}) / {16 * tiles})"]
-                        grid = ", ".join(blocks[::-1] if rows_first else blocks)
-                        flags = f"{'true' if ahead else 'false'}, {'true' if rows_first else 'false'}"
-                        launches.append(
-                            f"if (tiles == {tiles} && ahead == {ahead} && rows_first == {rows_first} "
-                            f"&& column_tiles == {ft}) "
-                            f"launch({{{grid}, 1}}, {{{warps * 32}, 1, 1}}, [&] {{ "
-                            f"one_pass<{BF16}, {width}, {out}{quant}, {tiles}, {ft}, {warps}, {flags}>"
-                            f"(X, shape, {call_weights}, Bias, Y); }});")
+                    blocks = [f"{-(-out // 32)}u", f"(unsigned)((M + {16 * tiles - 1}) / {16 * tiles})"]
+                    grid = ", ".join(blocks[::-1] if rows_first else blocks)
+                    flags = f"{'true' if ahead else 'false'}, {'true' if rows_first else 'false'}"
+                    launches.append(
+                        f"if (tiles == {tiles} && ahead == {ahead} && rows_first == {rows_first}) "
+                        f"launch({{{grid}, 1}}, {{{warps * 32}, 1, 1}}, [&] {{ "
+                        f"one_pass<{BF16}, {width}, {out}{quant}, {tiles}, 4, {warps}, {flags}>"
+                        f"(X, shape, {call_weights}, Bias, Y); }});")
         body = "\n  ".join(launches)
         quant_params = ", int BITS, int GROUP" if bits else ""
         self.lib = build(f"""#include "cuda_emulator.h"
@@ -111,8 +108,7 @@ void one_pass({args}) {{
 {one_pass}
 }}
 extern "C" void matmul(const void* x, int M, const void* w, const void* scales, const void* biases,
-                       const void* bias, void* y, int tiles, int ahead, int rows_first,
-                       int column_tiles) {{
+                       const void* bias, void* y, int tiles, int ahead, int rows_first) {{
   int shape[2] = {{M, {width}}};
   auto X = (const {BF16}*)x; auto S = (const {BF16}*)scales; auto Z = (const {BF16}*)biases;
   auto Bias = (const {BF16}*)bias; auto Y = ({BF16}*)y;
@@ -121,12 +117,11 @@ extern "C" void matmul(const void* x, int M, const void* w, const void* scales, 
 """)
 
     def __call__(self, x, w, bias, tiles: int, ahead: bool = False, rows_first: bool = False,
-                 scales=None, biases=None, column_tiles: int = 4) -> np.ndarray:
+                 scales=None, biases=None) -> np.ndarray:
         x = np.ascontiguousarray(x)
         y = np.zeros((x.shape[0], self.out), np.uint16)
         self.lib.matmul(_ptr(x), ctypes.c_int(x.shape[0]), _ptr(w), _ptr(scales), _ptr(biases), _ptr(bias),
-                        _ptr(y), ctypes.c_int(tiles), ctypes.c_int(int(ahead)), ctypes.c_int(int(rows_first)),
-                        ctypes.c_int(column_tiles))
+                        _ptr(y), ctypes.c_int(tiles), ctypes.c_int(int(ahead)), ctypes.c_int(int(rows_first)))
         return y
 
 

@@ -130,18 +130,16 @@ def _layer(width: int, out: int, dtype, bias: bool, bits: int | None = None) -> 
     return nn.QuantizedLinear.from_linear(layer, group_size=64, bits=bits) if bits else layer
 
 
-def test_every_matmul_kernel_compiles(launches, monkeypatch):
-    """Plain bfloat16 weights at each block height (with rows loaded ahead and not) and
-    column width, 4- and 8-bit weights, float32; with and without a bias."""
-    for min_blocks in (0, 10**6):  # blocks of 32 columns, and of 8
-        monkeypatch.setattr(cuda_matmul, "MIN_BLOCKS", min_blocks)
-        for rows in (1, 40, 200):
-            cuda_matmul.linear(mx.zeros((rows, 256), mx.bfloat16), _layer(256, 96, mx.bfloat16, True))
+def test_every_matmul_kernel_compiles(launches):
+    """Plain bfloat16 weights at each block height (with rows loaded ahead and not), 4-
+    and 8-bit weights, float32; with and without a bias."""
+    for rows in (1, 40, 200):
+        cuda_matmul.linear(mx.zeros((rows, 256), mx.bfloat16), _layer(256, 96, mx.bfloat16, True))
     cuda_matmul.linear(mx.zeros((3, 200), mx.bfloat16), _layer(200, 40, mx.bfloat16, False))  # a tail past 64
     for bits in (4, 8):
         cuda_matmul.linear(mx.zeros((40, 256), mx.bfloat16), _layer(256, 96, mx.bfloat16, True, bits))
     cuda_matmul.linear(mx.zeros((3, 72), mx.float32), _layer(72, 40, mx.float32, True))
-    assert len(launches.sources) >= 8
+    assert len(launches.sources) >= 6
     _assert_all_compile(launches.sources)
 
 

@@ -5,8 +5,7 @@
 # attention block (cuda_attention.MAX_QUERIES_PER_BLOCK) and the tensor-core prefill
 # attention (cuda_attention.FLASH_PREFILL), over all of a query's columns a block or in
 # chunks (FLASH_CHUNK), and for heads of 512 (FLASH_MAX_DIM); and the matmul's grid
-# with a column tile's row blocks first or not (cuda_matmul.ROW_BLOCKS_FIRST), and its
-# blocks narrowed where the grid would be small (cuda_matmul.MIN_BLOCKS). Their
+# with a column tile's row blocks first or not (cuda_matmul.ROW_BLOCKS_FIRST). Their
 # bit-for-bit tests, their timings, and one prefill pass and one decode step of the
 # Gemma-3-4B shape with each setting.
 #   OUT=DIR bash bench/gpu/kernel_variants.sh
@@ -44,9 +43,8 @@ fi
 
 # A bench script with one setting changed from the default: "not-ahead" (rows loaded just
 # before their multiply-adds, blocks of up to 128 rows), "columns-first" (the matmul's
-# grid over column blocks first, the old order), "blocks-32" (blocks of at most 32 rows
-# at every count), "min-blocks" (blocks of 16 or 8 columns where the grid would have
-# fewer than 264 blocks), "queries" (up to 8 prefill queries a block), "per-query" (the
+# grid over column blocks first, the old order), "blocks-32" (blocks of at most 32
+# rows at every count), "queries" (up to 8 prefill queries a block), "per-query" (the
 # per-query prefill attention, not the tensor-core one), "chunks" (the tensor-core one
 # in chunks of 256 columns), or "default".
 with_setting() {
@@ -66,8 +64,6 @@ if setting == "columns-first":
     cuda_matmul.ROW_BLOCKS_FIRST = False
 if setting == "blocks-32":
     cuda_matmul.ROW_TILES = (1, 2)
-if setting == "min-blocks":
-    cuda_matmul.MIN_BLOCKS = 264
 if setting == "queries":
     cuda_attention.FLASH_PREFILL, cuda_attention.MAX_QUERIES_PER_BLOCK = False, 8
 if setting == "per-query":
@@ -84,7 +80,7 @@ wanted prefill && for setting in ${PREFILL_SETTINGS:-default chunks per-query}; 
   with_setting $setting bench/prefill_pass.py --model $BIG --lengths 270,2048 --reps 5 \
     --out "$OUT/prefill-$setting.json" 2>&1 | tail -4
 done
-wanted decode && for setting in ${DECODE_SETTINGS:-default min-blocks columns-first not-ahead}; do
+wanted decode && for setting in ${DECODE_SETTINGS:-default columns-first blocks-32 not-ahead}; do
   echo "== $setting: decode step"
   with_setting $setting bench/decode_step.py --model $BIG --batch-sizes 1,32,64,128 --columns engine \
     --steps 32 2>&1 | grep -E "^[0-9]+ " | tee "$OUT/decode-$setting.txt"

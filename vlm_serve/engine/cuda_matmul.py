@@ -8,8 +8,8 @@ up), and a batched request drifts from the tokens it gets alone.
 
 This kernel adds every dot product's terms in one fixed order whatever the row count:
 
-- one block per 32 output columns (or 16 or 8, ``MIN_BLOCKS``) and per 128 rows (32
-  up to 64 rows), with four warps (eight where the input dimension is 4,096 or more);
+- one block per 32 output columns and per 128 rows (32 up to 64 rows), with four
+  warps (eight where the input dimension is 4,096 or more);
 - the input dimension in chunks of 64: warp ``w`` of ``W`` takes chunks ``w, w + W,
   ...`` in ascending order, each as four tensor-core multiply-adds (bfloat16 or float16
   in, float32 sums). Lane ``t`` of a quad reads 16 consecutive elements of its row and
@@ -57,25 +57,14 @@ ROW_TILES = (1, 2, 4, 8)  # tiles of 16 rows a block may take: up to 128 rows
 SMALL_BLOCK_ROWS = 64
 
 
-# A weight with few output columns (a 4B model's o and down projections: 80 blocks of
-# 32 columns; qkv: 128) leaves many of an H100's or H200's 132 SMs idle at one row block.
-# Where the grid would have fewer blocks than this, blocks take 16 columns instead of 32,
-# or 8 if still too few. Only speed changes: a block's columns do not change any sum.
-# Off (0) until a GPU run measures it (``bench/matmul_rows.py --timing --variants``).
-MIN_BLOCKS = 0
-
-
-def layout(rows: int, width: int, out: int) -> tuple[int, int, int]:
+def layout(rows: int, width: int) -> tuple[int, int, int]:
     """(tiles of 16 rows, tiles of 8 output columns, warps) per block for ``rows`` rows
-    of ``width`` inputs and ``out`` outputs. Only the warps change a row's bits, and they
-    follow the weight's shape alone; the tiles spread the work over the card."""
+    of ``width`` inputs. Only the warps change a row's bits, and they follow the
+    weight's shape alone; the tiles spread the work over the card."""
     tiles = next((t for t in ROW_TILES if rows <= t * 16), ROW_TILES[-1])
     if rows <= SMALL_BLOCK_ROWS:
         tiles = min(tiles, 2)
-    row_blocks, column_tiles = max(1, -(-rows // (tiles * 16))), 4
-    while column_tiles > 1 and row_blocks * -(-out // (8 * column_tiles)) < MIN_BLOCKS:
-        column_tiles //= 2
-    return tiles, column_tiles, warps_for(width)
+    return tiles, 4, warps_for(width)
 
 
 # One m16n8k16 tensor-core multiply-add into float32 sums; the last argument picks the
@@ -377,7 +366,7 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
             grid=(-(-n // threads) * threads, max(m, 1), 1), threadgroup=(threads, 1, 1),
         )[0]
     else:
-        tiles, column_tiles, warps = layout(m, width, n)
+        tiles, column_tiles, warps = layout(m, width)
         row_blocks, column_blocks = max(1, -(-m // (tiles * 16))), -(-n // (8 * column_tiles))
         blocks = (row_blocks, column_blocks) if ROW_BLOCKS_FIRST else (column_blocks, row_blocks)
         out = _kernel(bias is not None, "quantized" if quantized else "plain")(
