@@ -48,6 +48,16 @@ def build(source: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
+def causal_mask(length: int, columns: int, window: int = 0) -> np.ndarray:
+    """(1, length, columns): which columns the last ``length`` queries of ``columns``
+    see, causally and within ``window`` columns where given (mlx-lm's masks)."""
+    own = np.arange(columns - length, columns)[:, None]
+    mask = np.arange(columns)[None] <= own
+    if window:
+        mask &= np.arange(columns)[None] > own - window
+    return mask[None]
+
+
 def to_bf16(a) -> np.ndarray:
     """bfloat16 bits (round to nearest even) of ``a``."""
     u = np.ascontiguousarray(a, np.float32).view(np.uint32)
@@ -280,12 +290,7 @@ extern "C" void decode_rows(const void* q, int slots, const void* k, const void*
         kf = np.repeat(from_bf16(k).astype(np.float64), repeat, axis=1)
         vf = np.repeat(from_bf16(v).astype(np.float64), repeat, axis=1)
         scores = np.einsum("bhld,bhnd->bhln", qf, kf) * self.scale
-        seen = np.ones((L, N), bool)
-        if causal:
-            own = np.arange(N - L, N)[:, None]
-            seen = np.arange(N)[None] <= own
-            if window:
-                seen &= np.arange(N)[None] > own - window
+        seen = causal_mask(L, N, window)[0] if causal else np.ones((L, N), bool)
         seen = seen[None, None] if mask is None else seen[None, None] & np.asarray(mask)[:, None]
         scores = np.where(seen, scores, -np.inf)
         weights = np.exp(scores - scores.max(-1, keepdims=True))

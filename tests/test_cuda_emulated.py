@@ -99,14 +99,6 @@ def _pass(rng, attention, prompts: int, length: int, columns: int):
             _bf16(rng, prompts, attention.kv_heads, columns, attention.dim))
 
 
-def _causal_as_mask(length: int, columns: int, window: int) -> np.ndarray:
-    own = np.arange(columns - length, columns)[:, None]
-    mask = np.arange(columns)[None] <= own
-    if window:
-        mask &= np.arange(columns)[None] > own - window
-    return mask[None]
-
-
 KERNELS = {"per-query": "attention", "tensor-core": "attention", "tensor-core in chunks": "chunked_attention",
            "tensor-core, 512 dims": "wide_attention"}
 
@@ -147,7 +139,7 @@ def test_prefill_attention_gives_a_query_the_same_bits_in_any_pass(request, kern
             assert np.array_equal(alone, together[length * i:length * (i + 1)]), f"prompt {i} alone"
     for window in (0, 48):
         counted = run(q, k, v, window=window)
-        masked = run(q, k, v, causal=False, mask=_causal_as_mask(length, columns, window))
+        masked = run(q, k, v, causal=False, mask=emulation.causal_mask(length, columns, window))
         assert np.array_equal(masked, counted), f"window {window}: a count and a mask"
         tail = run(q[:1, :, -5:], k[:1], v[:1], window=window)
         assert np.array_equal(tail, counted[length - 5:length]), f"window {window}: from a cache"
