@@ -45,12 +45,12 @@ def check(model: nn.Module) -> None:
                     f"MLX's quantized kernels on {mx.default_device()} give wrong results for {name} "
                     f"({type(module).__name__}, {module.bits}-bit weights in groups of {module.group_size}, "
                     f"{str(module.scales.dtype).split('.')[-1]} activations, {what}): off by {error:.3g} of "
-                    "the result's "
-                    "magnitude against the dequantized weights. This model cannot be served correctly "
-                    "here; a checkpoint of other precision may be.")
+                    "the result's magnitude against the dequantized weights. This model cannot be served "
+                    "correctly here; a checkpoint of other precision may be.")
 
 
 def on_cpu() -> bool:
+    """Whether MLX computes on the CPU here (whose kernels the check compares against)."""
     return mx.default_device() == mx.cpu
 
 
