@@ -23,6 +23,8 @@ from mlx_vlm import load
 from mlx_vlm.prompt_utils import apply_chat_template
 from PIL import Image
 
+from vlm_serve.engine.quantized_check import relative_error
+
 
 def leaf_layers(model: nn.Module) -> dict[int, str]:
     """id -> dotted name of every module with no modules below it."""
@@ -62,16 +64,6 @@ def handle(value):
     return mx.array(value) if isinstance(value, mx.array) else value
 
 
-def relative_difference(out: mx.array, reference: mx.array) -> float:
-    """Largest difference over the reference's largest magnitude; NaN where only one of
-    them has NaN (a random fixture's table may hold NaN, alike on both)."""
-    a, b = np.array(out.astype(mx.float32)), np.array(reference.astype(mx.float32))
-    if np.isnan(a).any() != np.isnan(b).any():
-        return float("nan")
-    scale = np.nanmax(np.abs(b)) or 1.0
-    return float(np.nanmax(np.abs(a - b)) / scale)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -101,9 +93,9 @@ def main() -> None:
         with mx.stream(mx.cpu):
             reference = layer(*call_args, **call_kwargs)  # MLX's arrays are on no device
             mx.eval(reference)
-        difference = relative_difference(out, reference)
+        difference = relative_error(out, reference)  # NaN where the CPU has none
         nan = bool(mx.isnan(out.astype(mx.float32)).any().item())
-        if first_off is None and not difference <= args.tolerance:  # NaN where the CPU has none
+        if first_off is None and not difference <= args.tolerance:
             first_off = f"{name} ({type(layer).__name__}, {out.dtype}, {tuple(out.shape)})"
         if shown < args.show or np.isnan(difference):
             print(f"{name:60s} {type(layer).__name__:22s} {str(out.dtype):14s} {tuple(out.shape)} "

@@ -23,10 +23,17 @@ HERE = Path(__file__).parent
 BF16 = "__nv_bfloat16"
 
 
-def cuda_include() -> str | None:
-    """A CUDA toolkit's include folder (``CUDA_HOME``, or the usual places)."""
+def cuda_toolkit(having: str) -> str | None:
+    """The first CUDA toolkit (``CUDA_HOME``, or the usual places) with the file
+    ``having`` (a path inside it), as its folder."""
     roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
-    return next((f"{r}/include" for r in roots if r and Path(f"{r}/include/cuda_bf16.h").exists()), None)
+    return next((r for r in roots if r and Path(f"{r}/{having}").exists()), None)
+
+
+def cuda_include() -> str | None:
+    """A CUDA toolkit's include folder."""
+    root = cuda_toolkit("include/cuda_bf16.h")
+    return root and f"{root}/include"
 
 
 def available() -> bool:

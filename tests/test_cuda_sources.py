@@ -13,7 +13,6 @@ toolkit (no GPU); skipped elsewhere, CI included."""
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import os
 import re
 import shutil
@@ -25,17 +24,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+import kernel_emulation as emulation
 from vlm_serve.engine import cuda_matmul
 from vlm_serve.engine.decode import cuda_attention, cuda_norms
 
-
-def _nvcc() -> str | None:
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
-    found = [f"{r}/bin/nvcc" for r in roots if r and Path(f"{r}/bin/nvcc").exists()]
-    return found[0] if found else shutil.which("nvcc")
-
-
-NVCC = _nvcc()
+TOOLKIT = emulation.cuda_toolkit("bin/nvcc")
+NVCC = f"{TOOLKIT}/bin/nvcc" if TOOLKIT else shutil.which("nvcc")
 pytestmark = [
     pytest.mark.skipif(NVCC is None, reason="needs nvcc (a CUDA toolkit)"),
     pytest.mark.skipif(not os.environ.get("VLM_SERVE_SLOW_TESTS"), reason="VLM_SERVE_SLOW_TESTS=1"),

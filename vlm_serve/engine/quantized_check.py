@@ -39,7 +39,7 @@ def check(model: nn.Module) -> None:
             continue
         seen.add(key)
         for what, got, want in _cases(module):
-            error = _relative_error(got, want)
+            error = relative_error(got, want)
             if not error <= TOLERANCE:
                 raise RuntimeError(
                     f"MLX's quantized kernels on {mx.default_device()} give wrong results for {name} "
@@ -85,7 +85,7 @@ def _dequantized(module: nn.Module, rows: mx.array) -> mx.array:
                              mode=getattr(module, "mode", "affine")).astype(mx.float32)
 
 
-def _relative_error(got: mx.array, want: mx.array) -> float:
+def relative_error(got: mx.array, want: mx.array) -> float:
     """Largest difference over the reference's largest magnitude, where the reference
     is a number (a random table may hold NaN); NaN where only ``got`` has NaN."""
     with mx.stream(mx.cpu):
