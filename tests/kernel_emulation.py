@@ -173,6 +173,7 @@ class Attention:
     def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 64, scale: float = 0.125,
                  flash_chunk: int = 0):
         self.heads, self.kv_heads, self.dim, self.scale = heads, kv_heads, dim, scale
+        self.flash_chunk = flash_chunk
         group = cuda_attention.heads_per_block(heads, kv_heads, dim)
         a = cuda_attention
         common = [BF16, dim, kv_heads, group, a.CHUNK, a.WARPS]
@@ -184,9 +185,9 @@ class Attention:
                 per_query.append(
                     f"if (queries == {queries} && causal == {int(causal)} && window == {window}) {{\n"
                     f"    if (mask) launch({{chunks, {heads // group}, {blocks}}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{ "
-                    f"masked<{t}>(Q, qs, K, ks, V, mask, ms, partial.data()); }});\n"
+                    f"masked<{t}>(Q, qs, K, ks, V, mask, ms, &shift, partial.data()); }});\n"
                     f"    else launch({{chunks, {heads // group}, {blocks}}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{ "
-                    f"prefill<{t}>(Q, qs, K, ks, V, partial.data()); }});\n  }}")
+                    f"prefill<{t}>(Q, qs, K, ks, V, &shift, partial.data()); }});\n  }}")
         # The tensor-core kernel writes the output, or with chunks each chunk's parts.
         flash_out = "flash_parts.data()" if flash_chunk else "O"
         rows = cuda_attention.flash_queries_per_block(dim)
@@ -196,8 +197,8 @@ class Attention:
             flash.append(
                 f"if (causal == {int(causal)} && window == {window}) {{\n"
                 f"    if (mask) launch({grid}, {{128, 1, 1}}, [&] {{ "
-                f"flash_masked<{t}>(Q, qs, K, ks, V, mask, ms, {flash_out}); }});\n"
-                f"    else launch({grid}, {{128, 1, 1}}, [&] {{ flash<{t}>(Q, qs, K, ks, V, {flash_out}); }});\n  }}")
+                f"flash_masked<{t}>(Q, qs, K, ks, V, mask, ms, &shift, {flash_out}); }});\n"
+                f"    else launch({grid}, {{128, 1, 1}}, [&] {{ flash<{t}>(Q, qs, K, ks, V, &shift, {flash_out}); }});\n  }}")
         prefill_params = ("template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, "
                           "bool CAUSAL, int WINDOW>")
         flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW, int CHUNK>"
@@ -212,11 +213,11 @@ class Attention:
 {a._HEADER}
 {kernel_constant("SCALE", scale)[0]}
 {prefill_params}
-void prefill({qkv}, float* partial) {{
+void prefill({qkv}, const int* column_shift, float* partial) {{
 {row.replace("  VISIBLE" + chr(10), a._ALL_VISIBLE) + a._PARTIAL}
 }}
 {prefill_params}
-void masked({qkv}, {mask_args}, float* partial) {{
+void masked({qkv}, {mask_args}, const int* column_shift, float* partial) {{
 {row.replace("  VISIBLE" + chr(10), a._MASK_VISIBLE) + a._PARTIAL}
 }}
 template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ>
@@ -228,11 +229,11 @@ void combine(const float* partial, const int* partial_shape, T* out) {{
 {a._COMBINE}
 }}
 {flash_params}
-void flash({qkv}, {flash_type}* out) {{
+void flash({qkv}, const int* column_shift, {flash_type}* out) {{
 {a._FLASH.replace("  VISIBLE" + chr(10), a._ALL_VISIBLE)}
 }}
 {flash_params}
-void flash_masked({qkv}, {mask_args}, {flash_type}* out) {{
+void flash_masked({qkv}, {mask_args}, const int* column_shift, {flash_type}* out) {{
 {a._FLASH.replace("  VISIBLE" + chr(10), a._FLASH_MASK_VISIBLE)}
 }}
 static void combined(std::vector<float>& partial, int rows, unsigned chunks, void* out) {{
@@ -240,17 +241,18 @@ static void combined(std::vector<float>& partial, int rows, unsigned chunks, voi
   launch({{1, {heads}, (unsigned)rows}}, {{128, 1, 1}}, [&] {{ combine<{BF16}, {dim}>(partial.data(), ps, ({BF16}*)out); }});
 }}
 extern "C" void attend(const void* q, int B, int L, const void* k, const void* v, int N, const bool* mask,
-                       int mask_rows, int causal, int window, int queries, int tensor_cores, void* out) {{
+                       int mask_rows, int causal, int window, int queries, int tensor_cores, int shift,
+                       void* out) {{
   int qs[4] = {{B, {heads}, L, {dim}}}, ks[4] = {{B, {kv_heads}, N, {dim}}}, ms[3] = {{mask_rows, L, N}};
   auto Q = (const {BF16}*)q; auto K = (const {BF16}*)k; auto V = (const {BF16}*)v; auto O = ({BF16}*)out;
   if (tensor_cores) {{
-    const unsigned flash_chunks = {f"(N + {flash_chunk - 1}) / {flash_chunk}" if flash_chunk else 1};
+    const unsigned flash_chunks = {f"(N + shift + {flash_chunk - 1}) / {flash_chunk}" if flash_chunk else 1};
     std::vector<float> flash_parts({f"(size_t)B * L * {heads} * flash_chunks * ({dim} + 2)" if flash_chunk else 0});
   {nl.join(flash)}
     if (!flash_parts.empty()) combined(flash_parts, B * L, flash_chunks, out);
     return;
   }}
-  const unsigned chunks = (N + {a.CHUNK - 1}) / {a.CHUNK};
+  const unsigned chunks = (N + shift + {a.CHUNK - 1}) / {a.CHUNK};
   std::vector<float> partial((size_t)B * L * {heads} * chunks * ({dim} + 2));
   {nl.join(per_query)}
   combined(partial, B * L, chunks, out);
@@ -267,16 +269,19 @@ extern "C" void decode_rows(const void* q, int slots, const void* k, const void*
 }}
 """)
 
-    def prefill(self, q, k, v, mask=None, causal=True, window=0, queries=1, tensor_cores=False):
+    def prefill(self, q, k, v, mask=None, causal=True, window=0, queries=1, tensor_cores=False, origin=0):
         """(B * L, heads * dim) bfloat16 bits: as ``cuda_attention.prefill_attention``
-        (``tensor_cores``: ``flash_prefill_attention``)."""
+        (``tensor_cores``: ``flash_prefill_attention``), the keys' column 0 at position
+        ``origin``."""
+        shift = cuda_attention.column_shift(origin, self.flash_chunk if tensor_cores else None)
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
         B, _, L, _ = q.shape
         out = np.zeros((B * L, self.heads * self.dim), np.uint16)
         mask = None if mask is None else np.ascontiguousarray(mask, np.bool_)
         self.lib.attend(_ptr(q), ctypes.c_int(B), ctypes.c_int(L), _ptr(k), _ptr(v), ctypes.c_int(k.shape[2]),
                         _ptr(mask), ctypes.c_int(0 if mask is None else mask.shape[0]), ctypes.c_int(int(causal)),
-                        ctypes.c_int(window), ctypes.c_int(queries), ctypes.c_int(int(tensor_cores)), _ptr(out))
+                        ctypes.c_int(window), ctypes.c_int(queries), ctypes.c_int(int(tensor_cores)),
+                        ctypes.c_int(shift), _ptr(out))
         return out
 
     def decode(self, q, k, v, counts) -> np.ndarray:

@@ -256,3 +256,22 @@ def test_flash_prefill_gives_a_query_the_same_bits_in_any_pass(window, chunk, di
     # The last 37 queries of prompt 0 alone, on the keys up to the last one's.
     tail = flash(q[:1, :, -37:], keys[:1], values[:1], 1 / 16, window)
     assert mx.array_equal(tail, together[length - 37:length]).item()
+
+
+@pytest.mark.parametrize("kernel", ["per-query float32", "per-query", "tensor-core", "tensor-core in chunks",
+                                    "tensor-core, 512 dims"])
+def test_prefill_groups_keys_by_position(kernel):
+    """A sliding window's cache keeps the last keys of wherever its previous pass ended
+    (a prefix-cache hit or another request's pass moves where that is): given where its
+    keys start, a query gets the bits of the whole prompt's pass."""
+    dtype = mx.float32 if "float32" in kernel else mx.bfloat16
+    dim = 512 if "512" in kernel else 128
+    extra = {"queries": 1} if "per-query" in kernel else {"chunk": 256 if "chunks" in kernel else 0}
+    attend = cuda_attention.prefill_attention if "per-query" in kernel else cuda_attention.flash_prefill_attention
+    rng = np.random.default_rng(11)
+    columns, length, window = 1100, 300, 512
+    q, keys, values = _pass(rng, 2, 8, 4, dim, columns, length, dtype)
+    whole = attend(q, keys, values, dim**-0.5, window, **extra)
+    for drop in (6, 100, 255, 288):  # the first keys a query still sees: column 288
+        kept = attend(q, keys[:, :, drop:], values[:, :, drop:], dim**-0.5, window, origin=drop, **extra)
+        assert mx.array_equal(kept, whole).item(), f"keys from {drop}"

@@ -145,6 +145,28 @@ def test_prefill_attention_gives_a_query_the_same_bits_in_any_pass(request, kern
         assert np.array_equal(tail, counted[length - 5:length]), f"window {window}: from a cache"
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_prefill_attention_groups_keys_by_position(request, kernel):
+    """A sliding window's cache keeps the last keys of wherever its previous pass ended:
+    given where its keys start, a query gets the bits of the whole prompt's pass."""
+    attention = request.getfixturevalue(KERNELS[kernel])
+    tensor_cores = kernel != "per-query"
+    rng = np.random.default_rng(7)
+    length, columns, window = 12, 200, 48
+    q, k, v = _pass(rng, attention, 2, length, columns)
+    whole = attention.prefill(q, k, v, window=window, tensor_cores=tensor_cores)
+    masked = attention.prefill(q, k, v, causal=False, mask=emulation.causal_mask(length, columns, window),
+                               tensor_cores=tensor_cores)
+    for drop in (5, 37, 100, columns - length - window + 1):  # the first keys a query still sees
+        kept = attention.prefill(q, k[:, :, drop:], v[:, :, drop:], window=window, origin=drop,
+                                 tensor_cores=tensor_cores)
+        assert np.array_equal(kept, whole), f"keys from {drop}"
+        mask = emulation.causal_mask(length, columns, window)[:, :, drop:]
+        kept = attention.prefill(q, k[:, :, drop:], v[:, :, drop:], causal=False, mask=mask, origin=drop,
+                                 tensor_cores=tensor_cores)
+        assert np.array_equal(kept, masked), f"keys from {drop}, masked"
+
+
 def test_decode_attention_takes_each_rows_own_keys(attention):
     rng = np.random.default_rng(2)
     counts = np.array([1, 40, 257, 300], np.int32)

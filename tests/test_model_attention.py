@@ -17,7 +17,7 @@ import pytest
 from mlx_vlm import load
 from mlx_vlm.models.cache import make_prompt_cache
 
-from vlm_serve.engine import model_attention
+from vlm_serve.engine import model_attention, row_exact
 from vlm_serve.engine.decode import attention, cuda_attention
 from vlm_serve.engine.families import family_for
 from vlm_serve.engine.loader import resolve_chat_template
@@ -39,8 +39,8 @@ def kernel_calls(monkeypatch):
     """The kernel's arguments per call, the MLX reference computing its result."""
     calls = []
 
-    def stand_in(q, keys, values, scale, window=None, group=None, causal=True, mask=None):
-        calls.append((q.shape, causal, None if mask is None else mask.shape))
+    def stand_in(q, keys, values, scale, window=None, group=None, causal=True, mask=None, origin=0):
+        calls.append((q.shape, causal, None if mask is None else mask.shape, origin, keys.shape[2]))
         return cuda_attention.reference_prefill_attention(q, keys, values, scale, window,
                                                           causal=causal, mask=mask)
 
@@ -81,6 +81,8 @@ def _logits(model, prepared) -> np.ndarray:
     return np.array(out.logits.astype(mx.float32))
 
 
+@pytest.mark.skipif(row_exact.applies(), reason="on CUDA the family routes attention as it loads (its "
+                    "kernel is checked by tests/test_cuda_attention.py)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_routed_attention_computes_what_the_model_code_does(arch, model_path, kernel_calls,
                                                            routed, caplog):
@@ -100,9 +102,33 @@ def test_routed_attention_computes_what_the_model_code_does(arch, model_path, ke
     layers = len(getattr(lm, "model", lm).layers)
     assert len(kernel_calls) >= 2 * layers  # every layer, the whole pass then each step
     if arch == "gemma4":  # its image tokens see each other both ways: a mask, not a count
-        assert any(mask is not None for _, _, mask in kernel_calls)
+        assert any(call[2] is not None for call in kernel_calls)
     np.testing.assert_allclose(ours[0], theirs[0], atol=1e-4, rtol=1e-4)
     assert ours[1] == theirs[1]
+
+
+def test_the_kernel_is_told_where_each_layers_keys_start(model_path, kernel_calls, routed):
+    """Gemma 4's sliding-window caches keep the last keys of wherever the previous pass
+    ended, and its KV-shared layers get no cache of their own: every layer of a pass
+    still hands the kernel the position of its keys' column 0 (what the kernel groups
+    columns by), so the keys always end at the pass's end."""
+    path = model_path("gemma4")
+    model, processor = load(str(path))
+    ctx = PromptContext(processor, model.config.model_type, MediaPolicy(), 8,
+                        resolve_chat_template(path, processor))
+    prompt = render_chat(ctx, [{"role": "user", "content": "Count the herons. " * 12}])
+    prepared = prepare_prompt(ctx, "r", prompt, SamplingParams(max_tokens=4, temperature=0.0), [])
+    routed(model.language_model)
+    mlx_vlm_greedy(model, prepared, 16)
+
+    layers = len(model.language_model.model.layers)
+    passes = [kernel_calls[i:i + layers] for i in range(0, len(kernel_calls), layers)]
+    ends = [{origin + columns for *_, origin, columns in calls} for calls in passes]
+    assert all(len(end) == 1 for end in ends), ends  # one end per pass, shared layers too
+    ends = [end.pop() for end in ends]
+    assert ends == sorted(set(ends)) and ends[-1] >= len(prepared.input_ids)
+    window = model.language_model.model.window_size
+    assert any(origin > 0 for *_, origin, _ in kernel_calls) and window < len(prepared.input_ids)
 
 
 def test_a_call_the_kernel_cannot_take_goes_to_mlx():

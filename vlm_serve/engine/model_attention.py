@@ -22,6 +22,7 @@ import functools
 import logging
 import math
 import sys
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,11 +80,34 @@ def exact_attention(original):
         causal, rows_mask = plan
         B, heads, L, dim = queries.shape
         out = cuda_attention.prefill_attention(queries, keys, values, scale, causal=causal,
-                                               mask=rows_mask)
+                                               mask=rows_mask, origin=_origin(cache, keys))
         return out.reshape(B, L, heads, dim).transpose(0, 2, 1, 3)
 
     attention.routed_from = original
     return attention
+
+
+class _PassOffset(threading.local):
+    """The offset of the last layer cache this thread's attention saw: the pass's, for
+    layers that read another layer's keys and get no cache (Gemma 4's KV-shared layers,
+    which come after the layers they read)."""
+
+    offset: int | None = None
+
+
+_pass = _PassOffset()
+
+
+def _origin(cache, keys: mx.array) -> int:
+    """The position of ``keys``' column 0 (``cuda_attention.key_origin``). A layer given
+    no cache reads the keys of an earlier layer of this pass, whose caches all share one
+    offset."""
+    if cache is not None:
+        _pass.offset = getattr(cache, "offset", None)
+        return cuda_attention.key_origin(cache, keys)
+    if isinstance(_pass.offset, int):
+        return max(0, _pass.offset - keys.shape[2])
+    return 0
 
 
 def kernel_plan(queries, keys, values, cache, mask, sinks) -> tuple[bool, mx.array | None] | str:

@@ -79,8 +79,10 @@ def masked_span(keys: mx.array, values: mx.array, mask: mx.array) -> tuple[mx.ar
 def prefill_attend(queries: int, scale: float, window: int | None):
     """Where a prefill pass of ``queries`` queries per prompt runs on this engine's CUDA
     kernel, its attention for layers of ``window``: ``(q (B, heads, L, dim), keys,
-    values) -> (B * L, heads * dim)``, causal and within the window as mlx-lm's masks
-    are. None where it does not (then the family's own attention runs)."""
+    values, origin) -> (B * L, heads * dim)``, causal and within the window as mlx-lm's
+    masks are (``origin``: the position of the keys' column 0, ``cuda_attention.
+    key_origin``). None where it does not (then the family's own attention runs)."""
     if not uses_kernels() or (queries > PREFILL_KERNEL_MAX_QUERIES and not row_exact.applies()):
         return None
-    return lambda q, keys, values: cuda_attention.prefill_attention(q, keys, values, scale, window)
+    return lambda q, keys, values, origin: cuda_attention.prefill_attention(q, keys, values, scale, window,
+                                                                            origin=origin)

@@ -37,13 +37,17 @@ never changes its bits. Long passes take it where the engine keeps rows exact
 (``row_exact``, and ``model_attention`` for the families whose prefill is mlx-vlm's
 own code). Its sums run on CUDA cores, query by query. bfloat16/float16 passes of head
 sizes up to 256 take a tensor-core kernel instead (``_FLASH``, ``FLASH_PREFILL``), which
-keeps each query's bits independent of the others the same way. Without a GPU, ``tests/
+keeps each query's bits independent of the others the same way. Both group a query's
+columns by their positions in the prompt, not by where they sit in the cache (a sliding
+window's cache holds the last keys of wherever its previous pass ended), so a prompt's
+bits do not depend on how its passes were cut (``origin``). Without a GPU, ``tests/
 test_cuda_emulated.py`` runs these kernels' source on a CPU emulation of CUDA.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 
@@ -111,6 +115,7 @@ _DECODE_ROW = """
   static_assert(QQ == 1, "one query per decode row");
   const int row = blockIdx.z;
   out_row[0] = row, first[0] = 0, count[0] = min(counts[row], columns);
+  constexpr int shift = 0;  // a row's runs start at its column 0
   auto visible = [](int, int) { return true; };
   const size_t kv_offset = ((size_t)row * KV_HEADS + kv_head) * columns * D;
   for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
@@ -134,6 +139,7 @@ _PREFILL_ROW = """
     first[qq] = WINDOW > 0 ? max(0, count[qq] - WINDOW) : 0;
   }
   const size_t kv_offset = ((size_t)b * KV_HEADS + kv_head) * columns * D;
+  const int shift = column_shift[0];  // runs and chunks start this many columns before 0
   VISIBLE
   for (int i = threadIdx.x; i < QQ * QG * D; i += blockDim.x) {
     const int qq = i / (QG * D), h = i / D % QG, d = i % D;
@@ -174,7 +180,7 @@ _PARTIAL = """
       l[qq][h] = 0.0f;
     }
   }
-  const int run = chunk * CHUNK + warp * PER_WARP;  // this warp's fixed run of columns
+  const int run = chunk * CHUNK + warp * PER_WARP - shift;  // this warp's fixed run of columns
   int stop[QQ], last = run;
 #pragma unroll
   for (int qq = 0; qq < QQ; ++qq) {
@@ -330,7 +336,7 @@ _COMBINE = """
 # A prefill pass on tensor cores (bfloat16/float16, head dims of 16 to 512 in steps of
 # 16): one block per 64 queries of a (prompt, head), a warp per 16 of them (past 256
 # dims, 32 queries and two warps per 16, each with half of the dims). Key tiles of
-# KB columns from column 0 are staged in shared memory for the block's warps; each warp
+# KB positions (from the prompt's position 0: ``column_shift``) are staged in shared memory for the block's warps; each warp
 # multiplies its queries by a tile's keys (``mma.sync``), folds the scores into a running
 # max and sum per query (online softmax, float32), rounds the weights to T and multiplies
 # them by the tile's values into float32 sums. The instruction takes each query row on
@@ -338,7 +344,7 @@ _COMBINE = """
 # fixed order), so a query's bits follow its own keys and what it sees: a tile it sees
 # nothing of (one another query of its warp needs) adds exact zeros to it.
 # Where CHUNK > 0, a block takes only the tiles of one chunk of CHUNK columns (chunks
-# fixed from column 0, one per blockIdx.z with the prompt) and writes its queries'
+# fixed from position 0, one per blockIdx.z with the prompt) and writes its queries'
 # unnormalized sums, max and sum of weights as ``_COMBINE`` reads them; pass 2 meets the
 # chunks in order. A chunk a query sees nothing of gives it a max of -inf, which adds
 # nothing there, so its bits still follow only its own keys and what it sees; and a pass
@@ -360,7 +366,8 @@ _FLASH = """
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   const int L = q_shape[2], heads = gridDim.y, columns = keys_shape[2];
-  const int chunks = CHUNK > 0 ? (columns + CHUNK - 1) / CHUNK : 1;
+  const int shift = column_shift[0];  // tiles and chunks start this many columns before 0
+  const int chunks = CHUNK > 0 ? (columns + shift + CHUNK - 1) / CHUNK : 1;
   const int head = blockIdx.y, b = blockIdx.z / chunks, chunk = blockIdx.z % chunks;
   const int kv_head = head / (heads / KV_HEADS);
   const int q0 = blockIdx.x * ROWS;
@@ -381,7 +388,7 @@ _FLASH = """
   // The block's tiles: from the first column its first query may see to the last its
   // last query may see (counts and windows only grow with the query).
   const int last_q = min(q0 + ROWS, L) - 1;
-  int tile_begin = first_of(q0) / KB, tile_end = (count_of(last_q) + KB - 1) / KB;
+  int tile_begin = (first_of(q0) + shift) / KB, tile_end = (count_of(last_q) + shift + KB - 1) / KB;
   if constexpr (CHUNK > 0) {
     static_assert(CHUNK % KB == 0, "chunks of whole tiles");
     tile_begin = max(tile_begin, chunk * (CHUNK / KB));
@@ -404,12 +411,12 @@ _FLASH = """
     for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
 
   for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int c0 = tile * KB;
+    const int c0 = tile * KB - shift;
     __syncthreads();  // the last tile's reads are done
     for (int p = threadIdx.x; p < KB * D / 8; p += blockDim.x) {
       const int r = p / (D / 8), e = (p % (D / 8)) * 8;
       uint4 kw = make_uint4(0, 0, 0, 0), vw = make_uint4(0, 0, 0, 0);
-      if (c0 + r < columns) {
+      if (c0 + r >= 0 && c0 + r < columns) {
         kw = *reinterpret_cast<const uint4*>(k_b + (size_t)(c0 + r) * D + e);
         vw = *reinterpret_cast<const uint4*>(v_b + (size_t)(c0 + r) * D + e);
       }
@@ -536,7 +543,7 @@ def _flash_kernel(scale: float, masked: bool):
     define, tag = kernel_constant("SCALE", scale)
     return mx.fast.cuda_kernel(
         name=f"vlm_flash_prefill_{'masked' if masked else 'plain'}_{tag}",
-        input_names=["q", "keys", "values"] + (["mask"] if masked else []),
+        input_names=["q", "keys", "values"] + (["mask"] if masked else []) + ["column_shift"],
         output_names=["out"],
         source=_FLASH.replace("  VISIBLE\n", _FLASH_MASK_VISIBLE if masked else _ALL_VISIBLE),
         header=_HEADER + MMA + define,
@@ -551,7 +558,7 @@ def _kernels(scale: float, opening: str = "decode"):
     header = _HEADER + define
     row = _DECODE_ROW if opening == "decode" else _PREFILL_ROW.replace(
         "  VISIBLE\n", _MASK_VISIBLE if opening == "masked" else _ALL_VISIBLE)
-    inputs = {"decode": ["counts"], "prefill": [], "masked": ["mask"]}[opening]
+    inputs = {"decode": ["counts"], "prefill": ["column_shift"], "masked": ["mask", "column_shift"]}[opening]
     partial = mx.fast.cuda_kernel(
         name=f"vlm_{opening}_attention_partial_{tag}",
         input_names=["q", "keys", "values", *inputs],
@@ -621,7 +628,7 @@ def queries_in_shared_memory(group: int, dim: int) -> int:
 def prefill_attention(
     q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
     group: int | None = None, causal: bool = True, mask: mx.array | None = None,
-    queries: int | None = None,
+    queries: int | None = None, origin: int = 0,
 ) -> mx.array:
     """A prefill pass's attention: ``q`` (prompts, heads, L, dim), the queries of the
     last L of the keys' columns; ``keys``/``values`` (prompts, kv_heads, columns, dim).
@@ -632,18 +639,50 @@ def prefill_attention(
     the output projection takes them. A query reads its prompt's keys only, so other
     prompts in the pass never change it; and its sums follow the columns it sees, not
     how they are given (a causal count, a window or a mask), nor which queries share
-    its block (``queries`` per block: default ``queries_per_block``)."""
+    its block (``queries`` per block: default ``queries_per_block``).
+
+    ``origin``: the position in the prompt of the keys' column 0 (``key_origin``).
+    The kernels group a query's columns into runs, tiles and chunks, and rounding
+    follows the grouping; they group by position, so a query gets the same bits
+    whether its keys start at position 0 (a whole prompt) or later (a sliding window's
+    cache after an earlier pass, which may have ended anywhere)."""
     if FLASH_PREFILL and flash_fits(q) and queries is None:
-        return flash_prefill_attention(q, keys, values, scale, window, causal, mask)
+        return flash_prefill_attention(q, keys, values, scale, window, causal, mask, origin=origin)
     prompts, heads, length, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     queries = queries or queries_per_block(group, dim, q.dtype, length)
     template = [("QQ", queries), ("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
-    inputs = [q, keys, values] + ([] if mask is None else [mask])
+    shift = column_shift(origin)
+    inputs = [q, keys, values] + ([] if mask is None else [mask]) + [_shift_input(shift)]
     opening = "prefill" if mask is None else "masked"
     blocks = prompts * -(-length // queries)
     return _attention(_kernels(scale, opening), inputs, prompts * length, blocks, heads, dim,
-                      group, template)
+                      group, template, shift)
+
+
+def key_origin(cache, keys: mx.array) -> int:
+    """The position of ``keys``' column 0 in its prompt, where ``cache`` (an mlx-lm
+    layer cache, just updated) returned them: its offset less their columns, so 0 for
+    a cache that keeps every key; a sliding window's cache keeps the last of them."""
+    offset = getattr(cache, "offset", None)
+    return max(0, offset - keys.shape[2]) if isinstance(offset, int) else 0
+
+
+# Runs, tiles and chunks of the prefill kernels all start at multiples of this many
+# positions: the per-query kernel's chunks, of which its warps' runs and the
+# tensor-core kernel's tiles are divisors.
+ALIGN = CHUNK
+
+
+def column_shift(origin: int, flash_chunk: int | None = None) -> int:
+    """Columns the kernels' grouping starts before column 0 for keys from ``origin``
+    on, so that it falls on the same positions whatever ``origin`` is."""
+    return origin % math.lcm(ALIGN, flash_chunk or ALIGN)
+
+
+@functools.cache
+def _shift_input(shift: int) -> mx.array:
+    return mx.array([shift], mx.int32)
 
 
 # Prefill passes of bfloat16/float16 queries of a head size the tensor-core kernel takes
@@ -674,7 +713,7 @@ def flash_queries_per_block(dim: int) -> int:
     return 64 if dim <= 256 else 32
 
 
-# Columns per block of the tensor-core prefill kernel, in chunks fixed from column 0 and
+# Columns per block of the tensor-core prefill kernel, in chunks fixed from position 0 and
 # met by a second pass (``_COMBINE``); None: one block walks all of a query's columns.
 # Chunks give a short pass after a long cached prefix (a chat's next turn) a block per
 # chunk instead of one per 64 queries of a head (a 16-token turn after 2,048 keys: 72
@@ -689,17 +728,18 @@ FLASH_CHUNK: int | None = None
 
 def flash_prefill_attention(
     q: mx.array, keys: mx.array, values: mx.array, scale: float, window: int | None = None,
-    causal: bool = True, mask: mx.array | None = None, chunk: int | None = None,
+    causal: bool = True, mask: mx.array | None = None, chunk: int | None = None, origin: int = 0,
 ) -> mx.array:
     """``prefill_attention`` on tensor cores (where ``flash_fits``): the same arguments
-    and the same result up to rounding; a query's bits follow only its own keys and the
-    columns it sees. ``chunk``: columns per block, a multiple of 32, or 0 for all of
-    them (default ``FLASH_CHUNK``)."""
+    and the same result up to rounding; a query's bits follow only its own keys, their
+    positions and the columns it sees. ``chunk``: columns per block, a multiple of 32,
+    or 0 for all of them (default ``FLASH_CHUNK``)."""
     prompts, heads, length, dim = q.shape
     if chunk is None:
         chunk = FLASH_CHUNK or 0
-    chunks = -(-keys.shape[2] // chunk) if chunk else 1
-    inputs = [q, keys, values] + ([] if mask is None else [mask])
+    shift = column_shift(origin, chunk)
+    chunks = -(-(keys.shape[2] + shift) // chunk) if chunk else 1
+    inputs = [q, keys, values] + ([] if mask is None else [mask]) + [_shift_input(shift)]
     (out,) = _flash_kernel(scale, mask is not None)(
         inputs=inputs,
         template=[("T", q.dtype), ("D", dim), ("KV_HEADS", keys.shape[1]), ("CAUSAL", causal),
@@ -713,12 +753,13 @@ def flash_prefill_attention(
 
 
 def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: int,
-               group: int | None, template: list) -> mx.array:
+               group: int | None, template: list, shift: int = 0) -> mx.array:
     """Pass 1 (``blocks`` blocks of queries per chunk and group of heads) then pass 2
-    over ``rows`` query rows (``inputs``: q, keys, values, ...)."""
+    over ``rows`` query rows (``inputs``: q, keys, values, ...; ``shift``: the columns
+    the chunks start before column 0)."""
     q, keys = inputs[0], inputs[1]
     kv_heads, columns = keys.shape[1], keys.shape[2]
-    chunks = max(1, -(-columns // CHUNK))
+    chunks = max(1, -(-(columns + shift) // CHUNK))
     group = group or heads_per_block(heads, kv_heads, dim)
     partial_kernel, combine_kernel = kernels
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads), ("QG", group),

@@ -29,6 +29,7 @@ from mlx_vlm.models.base import (
 from mlx_vlm.models.gemma3.language import clip_residual
 
 from .attention import attend, prefill_attend
+from .cuda_attention import key_origin
 from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
@@ -81,7 +82,7 @@ class Gemma3Decoder(StepDecoder):
         scale = self.lm.model.layers[0].self_attn.scale
         kernel = prefill_attend(L, scale, window)
         if kernel is not None:
-            return lambda q, keys, values, _: kernel(q, keys, values)
+            return lambda q, keys, values, layer_cache: kernel(q, keys, values, key_origin(layer_cache, keys))
         mask = create_attention_mask(h, cache, window_size=window)
 
         def attend_mlx(q, keys, values, layer_cache):
