@@ -26,7 +26,7 @@ from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat, tokenize
 
 from conftest import make_image
-from oracle import assert_each_matches_alone, engine_alone_on_cuda, mlx_vlm_greedy
+from oracle import assert_each_matches_alone, engine_alone_on_cuda, mlx_vlm_greedy, skip_where_refused
 from test_parity import LONG_TEXT, run_held, run_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:At least one mel filter:UserWarning")
@@ -53,6 +53,7 @@ class FamilyHarness:
     def __init__(self, arch: str, bits: int | None, preset: str = "tiny"):
         self.arch = arch
         path = str(cached_model(arch, preset=preset, bits=bits))
+        skip_where_refused(path)
         config = SchedulerConfig(max_num_seqs=8, prefill_step_size=PREFILL_STEP,
                                  prefill_token_budget=PREFILL_STEP)
         self.engine = Engine(path, config)

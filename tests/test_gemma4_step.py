@@ -31,7 +31,7 @@ from vlm_serve.engine.types import SamplingParams
 from vlm_serve.fixtures.build import cached_model
 
 from conftest import make_image
-from oracle import FullLengthHarness, assert_each_matches_alone, prefilled_alone
+from oracle import FullLengthHarness, assert_each_matches_alone, prefilled_alone, skip_on_cuda_against_model_code
 from test_parity import LONG_TEXT, run_jobs
 
 PREFILL_STEP = 32
@@ -173,6 +173,7 @@ def test_step_logits_equal_alone_bitwise_across_the_window(arch, bits, visible_k
     from vlm_serve.engine.families import family_for
     from vlm_serve.engine.sampling import BatchSampler
 
+    skip_on_cuda_against_model_code()
     model, _ = vlm_load(str(cached_model(arch, bits=bits)))
     lm = model.language_model
     family = family_for(model)

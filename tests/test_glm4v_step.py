@@ -22,7 +22,7 @@ from vlm_serve.fixtures.build import cached_model
 from vlm_serve.preprocess.prompt import prepare_prompt, render_chat
 
 from conftest import make_image
-from oracle import assert_each_matches_alone, prefilled_alone
+from oracle import assert_each_matches_alone, prefilled_alone, skip_on_cuda_against_model_code
 from test_families import FamilyHarness
 from test_parity import LONG_TEXT, run_jobs
 
@@ -97,6 +97,7 @@ def test_step_logits_equal_alone_bitwise(bits):
     from vlm_serve.engine.families import family_for
     from vlm_serve.engine.sampling import BatchSampler
 
+    skip_on_cuda_against_model_code()
     model, _ = vlm_load(str(cached_model("glm4v", bits=bits)))
     lm = model.language_model
     family = family_for(model)

@@ -336,13 +336,14 @@ _COMBINE = """
 # A prefill pass on tensor cores (bfloat16/float16, head dims of 16 to 512 in steps of
 # 16): one block per 64 queries of a (prompt, head), a warp per 16 of them (past 256
 # dims, 32 queries and two warps per 16, each with half of the dims). Key tiles of
-# KB positions (from the prompt's position 0: ``column_shift``) are staged in shared memory for the block's warps; each warp
-# multiplies its queries by a tile's keys (``mma.sync``), folds the scores into a running
-# max and sum per query (online softmax, float32), rounds the weights to T and multiplies
-# them by the tile's values into float32 sums. The instruction takes each query row on
-# its own, and the row's max and sum meet only the row's own values (its four lanes, in a
-# fixed order), so a query's bits follow its own keys and what it sees: a tile it sees
-# nothing of (one another query of its warp needs) adds exact zeros to it.
+# KB positions (from the prompt's position 0: ``column_shift``) are staged in shared
+# memory for the block's warps; each warp multiplies its queries by a tile's keys
+# (``mma.sync``), folds the scores into a running max and sum per query (online softmax,
+# float32), rounds the weights to T and multiplies them by the tile's values into
+# float32 sums. The instruction takes each query row on its own, and the row's max and
+# sum meet only the row's own values (its four lanes, in a fixed order), so a query's
+# bits follow its own keys and what it sees: a tile it sees nothing of (one another
+# query of its warp needs) adds exact zeros to it.
 # Where CHUNK > 0, a block takes only the tiles of one chunk of CHUNK columns (chunks
 # fixed from position 0, one per blockIdx.z with the prompt) and writes its queries'
 # unnormalized sums, max and sum of weights as ``_COMBINE`` reads them; pass 2 meets the

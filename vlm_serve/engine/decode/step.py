@@ -12,6 +12,7 @@ every step.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import mlx.core as mx
@@ -19,6 +20,8 @@ import mlx.core as mx
 from . import cuda_attention
 from .attention import uses_kernels
 from .store import LayerKind, SlotStore
+
+log = logging.getLogger("vlm_serve.engine")
 
 # Set VLM_SERVE_COMPILE_DECODE=0 to build the step op by op (for comparison).
 COMPILE = os.environ.get("VLM_SERVE_COMPILE_DECODE", "1") != "0"
@@ -28,7 +31,9 @@ COMPILE = os.environ.get("VLM_SERVE_COMPILE_DECODE", "1") != "0"
 # gpu-h100-cuda-attention); since then, compiled was faster at 128 in two runs of three
 # (15.5 vs 17.9, 16.6 vs 17.8, 15.8 vs 15.2 ms) but far slower at 96 in both runs that
 # timed it (18.6 vs 12.1 and 16.8 vs 10.6 ms; bench/results/gpu-bucketed-passes), and
-# even at 64.
+# even at 64. Op by op may round differently from compiled (Gemma 4's step does, on an
+# H200), and a row must get the same bits whatever the slots: so the first step past
+# the limit runs both ways, and where they differ the step stays compiled.
 CUDA_COMPILE_MAX_SLOTS = int(os.environ.get("VLM_SERVE_CUDA_COMPILE_MAX_SLOTS", "64"))
 
 
@@ -41,6 +46,7 @@ class StepDecoder:
         self.compiled = mx.compile(self.forward) if COMPILE else None
         self.counts = uses_kernels()  # attention takes counts of visible keys, not a mask
         self.compile_max_slots = CUDA_COMPILE_MAX_SLOTS if cuda_attention.available() else None
+        self.op_by_op_same_bits: bool | None = None  # unknown until a step past the limit
 
     def new_store(self) -> SlotStore:
         return SlotStore(self.layer_kinds, self.kv_heads, self.head_dim)
@@ -51,15 +57,26 @@ class StepDecoder:
         rope_positions = store.rope_positions(positions)
         indices = [layouts[k].write_index for k in store.kinds]
         visible = [layouts[k].visible for k in store.kinds]
-        forward = self.compiled or self.forward
-        if self.compile_max_slots is not None and store.slots > self.compile_max_slots:
-            forward = self.forward
-        logits, store.keys, store.values = forward(
-            tokens, rope_positions, indices, visible, store.keys, store.values,
-            *self.step_inputs(store),
-        )
+        args = (tokens, rope_positions, indices, visible, store.keys, store.values, *self.step_inputs(store))
+        logits, store.keys, store.values = self._forward_for(store.slots, args)(*args)
         store.advance()
         return logits
+
+    def _forward_for(self, slots: int, args: tuple):
+        """The compiled forward, or op by op past ``compile_max_slots`` slots where the
+        two give the same bits (checked on the first such step's arguments: ``forward``
+        is pure, so running it twice changes nothing)."""
+        if self.compiled is None:
+            return self.forward
+        if self.compile_max_slots is None or slots <= self.compile_max_slots:
+            return self.compiled
+        if self.op_by_op_same_bits is None:
+            compiled, op_by_op = self.compiled(*args)[0], self.forward(*args)[0]
+            self.op_by_op_same_bits = mx.array_equal(compiled, op_by_op).item()
+            log.info("decode steps past %d slots: %s", self.compile_max_slots,
+                     "op by op (the same bits as compiled)" if self.op_by_op_same_bits
+                     else "compiled (op by op rounds differently here)")
+        return self.forward if self.op_by_op_same_bits else self.compiled
 
     def step_inputs(self, store: SlotStore) -> tuple:
         """Further per-row arrays of this step, made from what the host knows (the

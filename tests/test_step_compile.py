@@ -1,0 +1,46 @@
+"""On CUDA a decode step past ``step.CUDA_COMPILE_MAX_SLOTS`` slots runs op by op (faster
+there than compiled), but only where op by op gives the compiled step's bits: a row must
+decode the same tokens whatever the number of slots. Gemma 4's step rounds differently
+op by op on an H200; the CPU rounds both alike, so here the limit is lowered to one slot
+and, for the second case, the op-by-op forward is made to answer differently."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from vlm_serve.engine.engine import Engine
+from vlm_serve.engine.scheduler import SchedulerConfig
+from vlm_serve.engine.types import PreparedRequest, SamplingParams
+from vlm_serve.fixtures.build import cached_model
+
+from oracle import EngineAlone
+from test_parity import run_jobs
+
+
+@pytest.mark.parametrize("op_by_op_differs", [False, True])
+def test_a_row_keeps_its_tokens_past_the_compile_limit(op_by_op_differs, caplog):
+    path = str(cached_model("gemma4"))
+    engine, alone = Engine(path, SchedulerConfig(max_num_seqs=4)), EngineAlone(path, 512)
+    engine.start()
+    try:
+        decoder = engine.scheduler.batch.decoder
+        decoder.compile_max_slots = 1
+        if op_by_op_differs:  # as a GPU's rounding would, only far more
+            forward = decoder.forward
+            decoder.forward = lambda *args: (-forward(*args)[0], *forward(*args)[1:])
+        prompts = [[2, 5 + i, 40 + 3 * i, 77, 9 + i] for i in range(4)]
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        jobs = [(PreparedRequest(f"r{i}", np.array(ids, np.int32), params), None, None)
+                for i, ids in enumerate(prompts)]
+        with caplog.at_level(logging.INFO, logger="vlm_serve.engine"):
+            results = run_jobs(engine, jobs)
+        assert decoder.op_by_op_same_bits is (not op_by_op_differs)
+        assert any("decode steps past 1 slots" in r.getMessage() for r in caplog.records)
+        for prepared, _, _ in jobs:
+            assert results[prepared.request_id]["tokens"] == alone(prepared), prepared.request_id
+    finally:
+        engine.shutdown()
+        alone.shutdown()
