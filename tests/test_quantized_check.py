@@ -16,6 +16,10 @@ from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.scheduler import SchedulerConfig
 from vlm_serve.fixtures.build import cached_model
 
+# On a GPU the check runs for real at every load, and the 4-bit tests elsewhere skip
+# where it refuses the fixture (``oracle.skip_where_refused``).
+pytestmark = pytest.mark.skipif(not quantized_check.on_cpu(), reason="simulates a GPU on the CPU")
+
 
 def _wrong_for(outputs: int):
     """``QuantizedLinear.__call__`` as a faulty kernel would give it for weights of

@@ -16,6 +16,7 @@ from vlm_serve.engine import cuda_matmul, model_attention, row_exact
 from vlm_serve.engine.decode import attention
 from vlm_serve.engine.decode.fused import StepLinear
 from vlm_serve.engine.families import SerialFamily, family_for
+from vlm_serve.fixtures.build import cached_model
 
 
 @pytest.fixture
@@ -60,6 +61,14 @@ def test_a_layer_the_kernel_cannot_take_serves_one_row_at_a_time(as_if_cuda, mod
     assert "model.layers.0.mlp.down_proj" in family.reason and "CUDA" in family.reason
 
 
+def test_a_decode_step_not_seen_exact_on_cuda_serves_one_row_at_a_time(as_if_cuda):
+    """Ministral 3's step: on an H200 a batched row has decoded other tokens than alone."""
+    model, _ = load(str(cached_model("mistral3", preset="tiny-ministral3")))
+    family = family_for(model)
+    assert isinstance(family, SerialFamily)
+    assert "Ministral3Decoder have differed from the same rows alone" in family.describe()
+
+
 def test_a_model_without_an_engine_decode_step_serves_one_row_at_a_time(as_if_cuda, model_path,
                                                                        monkeypatch):
     """The model code's batched decode attends over left-padded caches with MLX's
@@ -73,6 +82,7 @@ def test_a_model_without_an_engine_decode_step_serves_one_row_at_a_time(as_if_cu
     assert isinstance(family, SerialFamily) and "decode step" in family.reason
 
 
+@pytest.mark.skipif(row_exact.applies(), reason="here is CUDA")
 def test_elsewhere_nothing_changes(model_path):
     model, _ = load(str(model_path("gemma3")))
     family = family_for(model)

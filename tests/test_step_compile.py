@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -37,10 +38,13 @@ def test_a_row_keeps_its_tokens_past_the_compile_limit(op_by_op_differs, caplog)
                 for i, ids in enumerate(prompts)]
         with caplog.at_level(logging.INFO, logger="vlm_serve.engine"):
             results = run_jobs(engine, jobs)
-        assert decoder.op_by_op_same_bits is (not op_by_op_differs)
-        assert any("decode steps past 1 slots" in r.getMessage() for r in caplog.records)
         for prepared, _, _ in jobs:
             assert results[prepared.request_id]["tokens"] == alone(prepared), prepared.request_id
+        assert any("decode steps past 1 slots" in r.getMessage() for r in caplog.records)
+        if op_by_op_differs:
+            assert decoder.op_by_op_same_bits is False
+        elif mx.default_device() == mx.cpu:  # alike there; on an H200 Gemma 4's op by op rounds otherwise
+            assert decoder.op_by_op_same_bits is True
     finally:
         engine.shutdown()
         alone.shutdown()

@@ -38,6 +38,10 @@ CUDA_COMPILE_MAX_SLOTS = int(os.environ.get("VLM_SERVE_CUDA_COMPILE_MAX_SLOTS", 
 
 
 class StepDecoder:
+    # Whether batched rows of this step have been seen to keep their bits alone on CUDA;
+    # a step that has not is served one row at a time there (``families._row_exact``).
+    exact_on_cuda = True
+
     def __init__(self, layer_kinds: list[LayerKind], heads: int, kv_heads: int, head_dim: int):
         self.layer_kinds = layer_kinds
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim

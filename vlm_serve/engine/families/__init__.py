@@ -72,14 +72,18 @@ def _row_exact(family: Family, vision_cache_size: int, vision_cache_bytes: int) 
     """``family`` with the row-exact matmul installed, its requests' images each in a
     tower call of their own; or one row at a time where a layer cannot take it, or
     where the model has no engine decode step (the model code's batched decode attends
-    over left-padded caches with MLX's attention, whose sums follow the padded length)."""
+    over left-padded caches with MLX's attention, whose sums follow the padded length),
+    or one not yet seen exact on CUDA."""
     left = row_exact.install(family.model.language_model)
     reason = None
+    decoder = None if left else family.decoder()
     if left:
         shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
         reason = f"on CUDA, no row-exact matmul for {shown}"
-    elif family.decoder() is None:
+    elif decoder is None:
         reason = "on CUDA, rows batch exactly only on the engine's own decode step, which this model has not"
+    elif not decoder.exact_on_cuda:
+        reason = f"on CUDA, batched rows of {type(decoder).__name__} have differed from the same rows alone"
     if reason:
         return SerialFamily(family.model, vision_cache_size, vision_cache_bytes, reason=reason)
     family.batch_vision = False
