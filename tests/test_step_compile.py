@@ -31,7 +31,12 @@ def test_a_row_keeps_its_tokens_past_the_compile_limit(op_by_op_differs, caplog)
         decoder.compile_max_slots = 1
         if op_by_op_differs:  # as a GPU's rounding would, only far more
             forward = decoder.forward
-            decoder.forward = lambda *args: (-forward(*args)[0], *forward(*args)[1:])
+
+            def differing(*args):
+                logits, keys, values = forward(*args)
+                return -logits, keys, values
+
+            decoder.forward = differing
         prompts = [[2, 5 + i, 40 + 3 * i, 77, 9 + i] for i in range(4)]
         params = SamplingParams(max_tokens=6, temperature=0.0)
         jobs = [(PreparedRequest(f"r{i}", np.array(ids, np.int32), params), None, None)
