@@ -154,16 +154,15 @@ def test_prefill_attention_groups_keys_by_position(request, kernel):
     rng = np.random.default_rng(7)
     length, columns, window = 12, 200, 48
     q, k, v = _pass(rng, attention, 2, length, columns)
+    mask = emulation.causal_mask(length, columns, window)
     whole = attention.prefill(q, k, v, window=window, tensor_cores=tensor_cores)
-    masked = attention.prefill(q, k, v, causal=False, mask=emulation.causal_mask(length, columns, window),
-                               tensor_cores=tensor_cores)
+    masked = attention.prefill(q, k, v, causal=False, mask=mask, tensor_cores=tensor_cores)
     for drop in (5, 37, 100, columns - length - window + 1):  # the first keys a query still sees
         kept = attention.prefill(q, k[:, :, drop:], v[:, :, drop:], window=window, origin=drop,
                                  tensor_cores=tensor_cores)
         assert np.array_equal(kept, whole), f"keys from {drop}"
-        mask = emulation.causal_mask(length, columns, window)[:, :, drop:]
-        kept = attention.prefill(q, k[:, :, drop:], v[:, :, drop:], causal=False, mask=mask, origin=drop,
-                                 tensor_cores=tensor_cores)
+        kept = attention.prefill(q, k[:, :, drop:], v[:, :, drop:], causal=False, mask=mask[:, :, drop:],
+                                 origin=drop, tensor_cores=tensor_cores)
         assert np.array_equal(kept, masked), f"keys from {drop}, masked"
 
 

@@ -104,10 +104,7 @@ def _origin(cache, keys: mx.array) -> int:
     offset."""
     if cache is not None:
         _pass.offset = getattr(cache, "offset", None)
-        return cuda_attention.key_origin(cache, keys)
-    if isinstance(_pass.offset, int):
-        return max(0, _pass.offset - keys.shape[2])
-    return 0
+    return cuda_attention.key_origin(_pass.offset, keys)
 
 
 def kernel_plan(queries, keys, values, cache, mask, sinks) -> tuple[bool, mx.array | None] | str:

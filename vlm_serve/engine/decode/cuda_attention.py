@@ -661,11 +661,11 @@ def prefill_attention(
                       group, template, shift)
 
 
-def key_origin(cache, keys: mx.array) -> int:
-    """The position of ``keys``' column 0 in its prompt, where ``cache`` (an mlx-lm
-    layer cache, just updated) returned them: its offset less their columns, so 0 for
-    a cache that keeps every key; a sliding window's cache keeps the last of them."""
-    offset = getattr(cache, "offset", None)
+def key_origin(offset, keys: mx.array) -> int:
+    """The position of ``keys``' column 0 in its prompt, where an mlx-lm layer cache
+    at ``offset`` (just updated) returned them: the offset less their columns, so 0 for
+    a cache that keeps every key; a sliding window's cache keeps the last of them. 0
+    where the offset is not one number (a batch cache's)."""
     return max(0, offset - keys.shape[2]) if isinstance(offset, int) else 0
 
 

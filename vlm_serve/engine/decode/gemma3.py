@@ -82,7 +82,8 @@ class Gemma3Decoder(StepDecoder):
         scale = self.lm.model.layers[0].self_attn.scale
         kernel = prefill_attend(L, scale, window)
         if kernel is not None:
-            return lambda q, keys, values, layer_cache: kernel(q, keys, values, key_origin(layer_cache, keys))
+            return lambda q, keys, values, layer_cache: kernel(q, keys, values,
+                                                               key_origin(layer_cache.offset, keys))
         mask = create_attention_mask(h, cache, window_size=window)
 
         def attend_mlx(q, keys, values, layer_cache):
