@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 from mlx_vlm import load as vlm_load
 
-from vlm_serve.engine import row_exact
 from vlm_serve.engine.decode.ministral3 import Ministral3Decoder
 from vlm_serve.fixtures.build import cached_model
 
@@ -38,14 +37,8 @@ PRESET = "tiny-ministral3"
 THRESHOLD = 32  # the fixture's original_max_position_embeddings
 
 
-def _batched_here() -> None:
-    if row_exact.applies():
-        pytest.skip("on CUDA Ministral 3 is served one row at a time (Ministral3Decoder.exact_on_cuda)")
-
-
 @pytest.fixture(scope="module", params=[None, 4], ids=["f32", "q4"])
 def harness(request):
-    _batched_here()
     # Every row runs its full length: the threshold crossings are the point.
     h = FullLengthHarness(str(cached_model("mistral3", preset=PRESET, bits=request.param)), PREFILL_STEP)
     yield h
@@ -54,7 +47,6 @@ def harness(request):
 
 @pytest.fixture(scope="module", params=[None, 4], ids=["f32", "q4"])
 def family(request):
-    _batched_here()
     h = FamilyHarness("mistral3", request.param, preset=PRESET)
     yield h
     h.shutdown()
@@ -120,12 +112,12 @@ def test_a_mistral4_text_model_is_served_one_row_at_a_time():
     a batch cache) and has no engine step: never batched."""
     from types import SimpleNamespace
 
-    from vlm_serve.engine.families.llama_text import Mistral3
+    from vlm_serve.engine.families import SerialFamily, family_for
 
     text = type("Mistral4Model", (), {})()
     config = SimpleNamespace(rope_parameters={"llama_4_scaling_beta": 0.1})
-    model = SimpleNamespace(config=SimpleNamespace(image_token_index=10),
+    model = SimpleNamespace(config=SimpleNamespace(model_type="mistral3", image_token_index=10),
                             language_model=SimpleNamespace(model=text, config=config))
-    family = Mistral3(model)
-    assert not family.batched
+    family = family_for(model)
+    assert isinstance(family, SerialFamily) and not family.batched
     assert "Mistral4Model" in family.describe() and "one request at a time" in family.describe()

@@ -24,11 +24,6 @@ from .store import LayerKind, SlotStore
 
 
 class Ministral3Decoder(LlamaDecoder):
-    # On an H200 (float32 tiny fixture, tests/test_ministral3.py) one batched row decoded
-    # other tokens than alone from its 30th token on, compiled or not; the cause is not
-    # found yet, so on CUDA this model is served one row at a time.
-    exact_on_cuda = False
-
     def __init__(self, model):
         text = model.language_model.model
         if type(text).__name__ != "Ministral3":

@@ -61,8 +61,18 @@ def family_for(
         )
     else:
         family = cls(model, vision_cache_size, vision_cache_bytes)
+    # A family whose model code cannot batch exactly needs its own step: where it has
+    # none, it is served one row at a time (so on CUDA nothing is installed for it) ...
+    if family.batched and family.model_code_inexact and family.decoder_class is None:
+        family = SerialFamily(model, vision_cache_size, vision_cache_bytes,
+                              reason=family.model_code_inexact)
     if family.batched and row_exact.applies():
         family = _row_exact(family, vision_cache_size, vision_cache_bytes)
+    # ... and so too where the step does not build (built here, after the row-exact
+    # matmul went into the layers it fuses).
+    if family.batched and family.model_code_inexact and family.decoder() is None:
+        family = SerialFamily(model, vision_cache_size, vision_cache_bytes,
+                              reason=family.model_code_inexact)
     report = log.info if family.batched else log.warning
     report("model type %s: %s", model_type or "?", family.describe())
     return family

@@ -51,6 +51,10 @@ class Family:
     # decode through mlx-vlm's model code on mlx-lm's batch caches.
     decoder_class = None
     use_decoder = True  # off: always decode through mlx-vlm's model code (for comparison)
+    # Why mlx-vlm's model code cannot decode a batch exactly, where it cannot: such a
+    # family batches only on its engine decode step, and is served one row at a time
+    # where none builds (``families.family_for`` decides, once the layers are final).
+    model_code_inexact = ""
     # Prompts prefilled together (``prefill_batch``), each flag proven exact against
     # one-at-a-time prefill by the parity suite's burst cases; off: one by one.
     batch_prefill = False  # text prompts share the language model's passes

@@ -34,7 +34,6 @@ class Mistral3(LlamaText):
     Mistral 4, which has none, is served one row at a time."""
 
     name = "mistral3"
-    reason = ""  # why this model is served one row at a time, if it is
 
     def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
         super().__init__(model, *cache_bounds, **kwargs)
@@ -42,21 +41,12 @@ class Mistral3(LlamaText):
         self.decoder_class = _DECODERS.get(text)
         # No fixture proves a padded pass of Mistral 4's text model (mixture of experts).
         self.pad_last_prefill = text in ("Mistral", "Ministral3")
-        if text == "Mistral":
-            return
         params = getattr(model.language_model.config, "rope_parameters", None) or {}
-        scaled = params.get("llama_4_scaling_beta")
-        if self.decoder_class is not None and self.decoder() is not None:
-            return
-        if scaled:
-            self.batched = False
-            self.reason = (f"its {text} text model scales queries by position, and mlx-vlm's "
-                           "code gives a batch the first row's")
-        else:
-            self.decoder_class = None  # no position scaling: the model code batches exactly
-
-    def describe(self) -> str:
-        return f"one request at a time ({self.reason})" if self.reason else super().describe()
+        if text != "Mistral" and params.get("llama_4_scaling_beta"):
+            # The decoder is not built here: on CUDA the row-exact matmul must be in the
+            # layers before the step fuses them (``families.family_for``).
+            self.model_code_inexact = (f"its {text} text model scales queries by position, "
+                                       "and mlx-vlm's code gives a batch the first row's")
 
 
 # Text model class -> its engine decode step.
