@@ -21,26 +21,42 @@ for their own partial product, then sum the group's in an order that does not fo
 the row count (``_group_sum``).
 
 ``VLM_SERVE_MATMUL=mlx`` keeps MLX's matmul on CUDA, for comparison only: batched rows
-then drift from their tokens alone.
+then drift from their tokens alone. ``VLM_SERVE_MATMUL=padded`` (opt-in, not yet run
+through the GPU tests) takes MLX's own matmul instead of the kernel for each layer
+shape where a check at load finds it keeps a row's bits on padded passes
+(``padded_matmul``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
-from . import cuda_matmul, model_attention
+from . import cuda_matmul, model_attention, padded_matmul
 
-_USE_KERNEL = os.environ.get("VLM_SERVE_MATMUL", "exact") != "mlx"
+log = logging.getLogger("vlm_serve.engine")
+
+_MATMUL = os.environ.get("VLM_SERVE_MATMUL", "exact")
+_USE_KERNEL = _MATMUL != "mlx"
+_PADDED = _MATMUL == "padded"
+
+
+def _row_exact_product(x, module):
+    """``module``'s product with each row's bits independent of the other rows: MLX's
+    matmul on padded passes where that was checked for its shape, else the kernel."""
+    floor = padded_matmul.floor_of(module) if _PADDED else None
+    if floor is not None:
+        return padded_matmul.linear(x, module, floor)
+    return cuda_matmul.linear(x, module)
 
 
 def _on_kernel(self, x):
-    """The layer's product through the row-exact kernel (its call, or a table's
-    ``as_linear``)."""
-    return cuda_matmul.linear(x, self)
+    """The layer's product, row-exact (its call, or a table's ``as_linear``)."""
+    return _row_exact_product(x, self)
 
 
 class _ExactLinear(nn.Linear):
@@ -74,7 +90,7 @@ def _group_sum(x: mx.array, group) -> mx.array:
 
 def _sharded_to_all(self, x):
     """A row-sharded layer's partial product on the kernel, then the group's sum."""
-    x = _group_sum(cuda_matmul.linear(x, self), self.group)
+    x = _group_sum(_row_exact_product(x, self), self.group)
     return x + self["bias"] if "bias" in self else x
 
 
@@ -107,6 +123,13 @@ def installed(module: nn.Module) -> bool:
     return type(module) in _EXACT.values()
 
 
+def prepare(module: nn.Module) -> None:
+    """Make the load-time choices for an installed layer's product (where padded, its
+    shape's check), so that none is made inside a compiled step."""
+    if _PADDED:
+        padded_matmul.floor_of(module)
+
+
 def install(language_model: nn.Module) -> list[str]:
     """Point the language model's linear layers (and embedding tables, as output
     layers) at ``cuda_matmul``, in place. Returns the names of linear layers it cannot
@@ -128,6 +151,9 @@ def install(language_model: nn.Module) -> list[str]:
         dtype = module.scales.dtype if "scales" in module else module.weight.dtype
         if not experts and type(module) in _EXACT and cuda_matmul.fits(module, dtype):
             module.__class__ = _EXACT[type(module)]
+            prepare(module)
         elif linear or tied:
             left.append(name or type(module).__name__)
+    if _PADDED:
+        log.info("CUDA: MLX's matmul on padded passes where checked: %s", padded_matmul.describe())
     return left

@@ -34,7 +34,8 @@ class StepLinear:
         self.call = module.as_linear if tied else module
         self.weight_t = self.bias = None
         if row_exact.installed(module):
-            return  # its own call is the row-exact kernel
+            row_exact.prepare(module)  # a fused layer's shape is new to the checks
+            return  # its own call is the row-exact product
         if isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(
             module, (nn.QuantizedLinear, nn.QuantizedEmbedding)
         ):

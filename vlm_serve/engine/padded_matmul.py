@@ -1,0 +1,145 @@
+"""MLX's own matmul with each row's bits independent of the other rows, by padding a
+pass's rows to a size from which MLX was seen to add every row's terms in one order.
+
+On an H200 (MLX 0.32.4), MLX's matmul gives a row the same bits whatever the other rows
+of its pass hold, and wherever the row sits in it. Across pass sizes it does so too, once
+a pass has enough rows:
+- 8 rows for most of the Gemma-3-4B shape's layers;
+- 264 rows for its down projection, whose long input dimension is split across blocks
+  below that;
+- one row alone takes a gemv of its own.
+(``bench/results/gpu-h200-mlx-matmul-rows``.)
+
+Neither MLX nor cuBLAS promises any of this, so it is checked at load for each layer
+shape, over every pass size the engine may issue (``SIZES``). A shape's floor is the
+smallest size from which every larger one gives probe rows the same bits. A pass is then
+padded with zero rows up to the next size at or above the floor; a pass longer than the
+largest size goes in pieces of it. A shape without a floor low enough to pay
+(``MAX_FLOOR``) stays on the row-exact kernel (``cuda_matmul``).
+
+Opt-in (``VLM_SERVE_MATMUL=padded``) until the GPU tests have run on it: an experiment
+that padded every pass to 512 rows passed them and ran a burst of 64 image requests in
+7.2 s instead of 17.2 s, but slowed decode (512 rows a step).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# The pass sizes a padded pass may take, in rows.
+SIZES = (8, 16, 32, *range(64, 2049, 64))
+# A floor above this costs a decode step more in padding than the row-exact kernel.
+MAX_FLOOR = 512
+PROBE_ROWS = 8
+
+
+def _quantized(module: nn.Module) -> bool:
+    return "scales" in module
+
+
+def product(x: mx.array, module: nn.Module) -> mx.array:
+    """``x @ W.T`` (plus the bias) as MLX's layer computes it; an embedding table as
+    its ``as_linear``."""
+    if _quantized(module):
+        out = mx.quantized_matmul(x, module.weight, module.scales, module.biases, transpose=True,
+                                  group_size=module.group_size, bits=module.bits)
+        return out + module.bias if _has_bias(module) else out
+    if _has_bias(module):
+        return mx.addmm(module.bias, x, module.weight.T)
+    return x @ module.weight.T
+
+
+def _has_bias(module: nn.Module) -> bool:
+    """A bias of the layer's own (a sharded layer adds its after the group's sum)."""
+    return isinstance(module, (nn.Linear, nn.QuantizedLinear)) and "bias" in module
+
+
+def _dtype(module: nn.Module) -> mx.Dtype:
+    return module.scales.dtype if _quantized(module) else module.weight.dtype
+
+
+def _shape_key(module: nn.Module) -> tuple:
+    group = (module.bits, module.group_size) if _quantized(module) else None
+    return (tuple(module.weight.shape), str(_dtype(module)), group, _has_bias(module))
+
+
+def floor_of(module: nn.Module) -> int | None:
+    """The smallest pass size from which ``module``'s shape keeps a row's bits, or None
+    (checked once per shape, on first sight: call it outside a compiled function)."""
+    key = _shape_key(module)
+    if key not in _FLOORS:
+        _FLOORS[key] = check(module)
+    return _FLOORS[key]
+
+
+_FLOORS: dict[tuple, int | None] = {}  # by layer shape
+
+
+def check(module: nn.Module) -> int | None:
+    """Multiply probe rows in a pass of every size, the other rows random: the smallest
+    size from which every larger pass gives them the same bits, if at most
+    ``MAX_FLOOR``."""
+    width = module.weight.shape[1] * (32 // module.bits if _quantized(module) else 1)
+    rng = np.random.default_rng(0)
+    rows = mx.array(rng.standard_normal((SIZES[-1], width)).astype(np.float32)).astype(_dtype(module))
+    if _quantized(module) and not _near_dequantized(rows[:64], module):
+        return None
+    bits = {}
+    for size in SIZES:
+        out = product(rows[:size], module)[:PROBE_ROWS]
+        bits[size] = np.array(out.astype(mx.float32)).tobytes()
+    floor = None
+    for size in reversed(SIZES):
+        if bits[size] != bits[SIZES[-1]]:
+            break
+        floor = size
+    return floor if floor is not None and floor <= MAX_FLOOR else None
+
+
+def describe() -> str:
+    """The shapes checked so far and their floors, for the startup log."""
+    return "; ".join(f"{'x'.join(map(str, key[0]))} {key[1]}: "
+                     f"{'from ' + str(floor) + ' rows' if floor else 'the kernel'}"
+                     for key, floor in _FLOORS.items())
+
+
+def _near_dequantized(rows: mx.array, module: nn.Module) -> bool:
+    """Whether a quantized layer's product agrees with its dequantized weights' (MLX
+    0.32.4's CUDA 4-bit matmul is wrong past one row for layers of 64 inputs and up to
+    128 outputs: ``quantized_check``)."""
+    weights = mx.dequantize(module.weight, module.scales, module.biases,
+                            group_size=module.group_size, bits=module.bits)
+    expected = rows.astype(mx.float32) @ weights.astype(mx.float32).T
+    if _has_bias(module):
+        expected = expected + module.bias.astype(mx.float32)
+    error = mx.abs(product(rows, module).astype(mx.float32) - expected).max()
+    return (error <= 0.05 * mx.abs(expected).max()).item()
+
+
+def pass_size(rows: int, floor: int) -> int:
+    """The size a pass of ``rows`` (at most the largest size) is padded to."""
+    return next(size for size in SIZES if size >= max(rows, floor))
+
+
+def linear(x: mx.array, module: nn.Module, floor: int) -> mx.array:
+    """``product(x, module)``, its rows padded to a checked size (in pieces of the
+    largest). Inputs of another dtype than the layer's are rounded to it, as the check
+    multiplied (and as the kernel does), and the result is given in MLX's dtype."""
+    dtype = _dtype(module)
+    if x.dtype != dtype:
+        promoted = (mx.zeros((0,), x.dtype) + mx.zeros((0,), dtype)).dtype
+        return linear(x.astype(dtype), module, floor).astype(promoted)
+    *lead, width = x.shape
+    rows = x.reshape(-1, width)
+    pieces = []
+    for start in range(0, rows.shape[0], SIZES[-1]):
+        piece = rows[start:start + SIZES[-1]]
+        n = piece.shape[0]
+        size = pass_size(n, floor)
+        if size > n:
+            piece = mx.concatenate([piece, mx.zeros((size - n, width), piece.dtype)])
+        pieces.append(product(piece, module)[:n])
+    out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+    return out.reshape(*lead, out.shape[-1])
