@@ -79,17 +79,19 @@ _FLOORS: dict[tuple, int | None] = {}  # by layer shape
 
 def check(module: nn.Module) -> int | None:
     """Multiply probe rows in a pass of every size, the other rows random: the smallest
-    size from which every larger pass gives them the same bits, if at most
-    ``MAX_FLOOR``."""
+    size from which every larger pass gives them the same bits (as does the largest
+    pass run again), if at most ``MAX_FLOOR``."""
     width = module.weight.shape[1] * (32 // module.bits if _quantized(module) else 1)
     rng = np.random.default_rng(0)
     rows = mx.array(rng.standard_normal((SIZES[-1], width)).astype(np.float32)).astype(_dtype(module))
     if _quantized(module) and not _near_dequantized(rows[:64], module):
         return None
-    bits = {}
-    for size in SIZES:
-        out = product(rows[:size], module)[:PROBE_ROWS]
-        bits[size] = np.array(out.astype(mx.float32)).tobytes()
+    def probe_bits(size: int) -> bytes:
+        return np.array(product(rows[:size], module)[:PROBE_ROWS].astype(mx.float32)).tobytes()
+
+    bits = {size: probe_bits(size) for size in SIZES}
+    if probe_bits(SIZES[-1]) != bits[SIZES[-1]]:
+        return None  # not even the same pass twice
     floor = None
     for size in reversed(SIZES):
         if bits[size] != bits[SIZES[-1]]:
