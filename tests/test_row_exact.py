@@ -14,8 +14,8 @@ from mlx_vlm import load
 
 from vlm_serve.engine import cuda_matmul, model_attention, row_exact
 from vlm_serve.engine.decode import attention
-from vlm_serve.engine.decode.ministral3 import Ministral3Decoder
 from vlm_serve.engine.decode.fused import StepLinear
+from vlm_serve.engine.decode.ministral3 import Ministral3Decoder
 from vlm_serve.engine.families import SerialFamily, family_for
 from vlm_serve.fixtures.build import cached_model
 
@@ -43,7 +43,7 @@ def _step_linears(decoder) -> list[StepLinear]:
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2_5_vl", "gemma4", "ministral3"])
-def test_every_linear_layer_of_the_language_model_takes_the_kernel(as_if_cuda, monkeypatch, arch):
+def test_every_linear_layer_of_the_language_model_takes_the_kernel(as_if_cuda, arch):
     if arch == "ministral3":
         # Its family checks at load that its step builds, and a step fuses the layers it
         # finds: they must be on the kernel by then. They once were not, and on an H200
