@@ -9,14 +9,25 @@ halves below a row count, as cuBLAS's split of a long input dimension does on a 
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_vlm import load
 
 from vlm_serve.engine import cuda_matmul, padded_matmul, row_exact
+from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.families import family_for
+from vlm_serve.engine.scheduler import SchedulerConfig
+from vlm_serve.engine.types import SamplingParams
 from vlm_serve.fixtures.build import cached_model
+from vlm_serve.preprocess.media import MediaPolicy
+from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+from conftest import make_image
+from oracle import EngineAlone
+from test_parity import LONG_TEXT, run_jobs
 
 
 @pytest.fixture(autouse=True)
@@ -119,3 +130,42 @@ def test_a_product_that_changes_from_run_to_run_stays_on_the_kernel(monkeypatch)
 
     monkeypatch.setattr(padded_matmul, "product", drifting)
     assert padded_matmul.check(layer) is None
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_5_vl"])
+def test_an_engine_on_padded_products_serves_each_row_as_alone(padded_as_if_cuda, monkeypatch, arch):
+    """Every product of the engine takes the padded path (none reaches the kernel):
+    prefill passes alone and shared, the compiled decode step with rows joining and
+    leaving; and the engine serves each row its tokens alone. Here with MLX's attention
+    (the engine's attention kernels are CUDA's), where padding cannot change a row's
+    bits; on a GPU the parity suite runs with ``VLM_SERVE_MATMUL=padded``."""
+    padded = []
+    linear = padded_matmul.linear
+    monkeypatch.setattr(padded_matmul, "linear", lambda x, m, f: padded.append(x.shape) or linear(x, m, f))
+    path = str(cached_model(arch))
+    engine = Engine(path, SchedulerConfig(max_num_seqs=8, prefill_step_size=32, prefill_token_budget=64))
+    engine.start()
+    alone = EngineAlone(path, 32)
+    try:
+        loaded = engine.loaded
+        ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
+
+        def job(rid, text, images=(), max_tokens=12, after=None):
+            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+            prompt = render_chat(ctx, [{"role": "user", "content": parts}])
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            return prepare_prompt(ctx, rid, prompt, params, list(images)), after, None
+
+        jobs = [job("long", LONG_TEXT[:400], max_tokens=16), job("short", "Hi!", max_tokens=20),
+                job("image", "Describe this picture.", [make_image(40, 60, 1)]),
+                job("late", "What colours are here?", max_tokens=8, after=("short", 5))]
+        results = run_jobs(engine, jobs)
+        for prepared, _, _ in jobs:
+            assert results[prepared.request_id]["error"] is None
+            assert results[prepared.request_id]["tokens"] == alone(prepared), prepared.request_id
+        assert engine.scheduler.peak_running >= 3  # rows really shared steps
+        rows = {math.prod(shape[:-1]) for shape in padded}
+        assert max(rows) >= 32 and len(rows) >= 4  # prefill passes of chunks, steps of slots
+    finally:
+        engine.shutdown()
+        alone.shutdown()
