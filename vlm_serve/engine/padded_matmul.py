@@ -5,8 +5,8 @@ On an H200 (MLX 0.32.4), MLX's matmul gives a row the same bits whatever the oth
 of its pass hold, and wherever the row sits in it. Across pass sizes it does so too, once
 a pass has enough rows:
 - 8 rows for most of the Gemma-3-4B shape's layers;
-- 264 rows for its down projection, whose long input dimension is split across blocks
-  below that;
+- 264 rows for its down projection (below that, likely, its long input dimension is
+  split across blocks, whose sums meet in another order);
 - one row alone takes a gemv of its own.
 (``bench/results/gpu-h200-mlx-matmul-rows``.)
 
