@@ -280,8 +280,23 @@ _LOAD_QUANTIZED = """
 """
 
 
-def _quantized(module) -> bool:
+def quantized(module) -> bool:
     return "scales" in module
+
+
+def weight_dtype(module: nn.Module) -> mx.Dtype:
+    """The dtype a layer multiplies in: its weight's, or a quantized layer's scales'."""
+    return module.scales.dtype if quantized(module) else module.weight.dtype
+
+
+def in_weight_dtype(product, x: mx.array, module: nn.Module) -> mx.array:
+    """``product(x, module)`` with ``x`` rounded to the layer's dtype (a product of one
+    dtype), the result given in the dtype MLX's matmul would give."""
+    dtype = weight_dtype(module)
+    if x.dtype == dtype:
+        return product(x, module)
+    promoted = (mx.zeros((0,), x.dtype) + mx.zeros((0,), dtype)).dtype  # MLX's rule
+    return product(x.astype(dtype), module).astype(promoted)
 
 
 def fits(module: nn.Module, dtype: mx.Dtype) -> bool:
@@ -291,7 +306,7 @@ def fits(module: nn.Module, dtype: mx.Dtype) -> bool:
     of 32 to 128, with bfloat16 or float16 inputs)."""
     if not available() or "weight" not in module:
         return False
-    if not _quantized(module):
+    if not quantized(module):
         return (module.weight.ndim == 2 and module.weight.dtype == dtype
                 and dtype in (mx.bfloat16, mx.float16, mx.float32))
     k = module.scales.shape[-1] * module.group_size
@@ -341,18 +356,15 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
     each row's bits independent of the other rows (where ``fits``). Inputs of another
     dtype than the layer's are rounded to it (the kernel multiplies one dtype), and the
     result is given in the dtype MLX's matmul would give."""
-    quantized = _quantized(module)
-    dtype = module.scales.dtype if quantized else module.weight.dtype
-    if x.dtype != dtype:
-        promoted = (mx.zeros((0,), x.dtype) + mx.zeros((0,), dtype)).dtype  # MLX's rule
-        return linear(x.astype(dtype), module).astype(promoted)
+    if x.dtype != weight_dtype(module):
+        return in_weight_dtype(linear, x, module)
     *lead, width = x.shape
     rows = x.reshape(-1, width)
     m = rows.shape[0]
     n = module.weight.shape[0]
     inputs = [rows, module.weight]
     template = [("K", width), ("N", n)]
-    if quantized:
+    if quantized(module):
         inputs += [module.scales, module.biases]
         template += [("BITS", module.bits), ("GROUP", module.group_size)]
     bias = module.get("bias") if isinstance(module, (nn.Linear, nn.QuantizedLinear)) else None
@@ -369,7 +381,7 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
         tiles, column_tiles, warps = layout(m, width)
         row_blocks, column_blocks = max(1, -(-m // (tiles * 16))), -(-n // (8 * column_tiles))
         blocks = (row_blocks, column_blocks) if ROW_BLOCKS_FIRST else (column_blocks, row_blocks)
-        out = _kernel(bias is not None, "quantized" if quantized else "plain")(
+        out = _kernel(bias is not None, "quantized" if quantized(module) else "plain")(
             **common,
             template=[("T", x.dtype), *template, ("TILES", tiles), ("FT", column_tiles),
                       ("WARPS", warps), ("PREFETCH_ROWS", tiles <= PREFETCH_ROWS_MAX_TILES),

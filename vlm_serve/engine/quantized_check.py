@@ -60,7 +60,7 @@ def _cases(module: nn.Module):
     outputs = module.weight.shape[0]
     columns = mx.array(sorted({*range(min(outputs, 32)), *range(max(0, outputs - 32), outputs),
                                *range(0, outputs, max(1, outputs // 64))}))
-    weights = _dequantized(module, columns)
+    weights = dequantized_rows(module, columns)
     table = isinstance(module, nn.QuantizedEmbedding)
     if table:
         yield "a lookup", module(columns), weights
@@ -76,7 +76,7 @@ def _cases(module: nn.Module):
         yield f"{rows} row{'s' if rows > 1 else ''}", got, want
 
 
-def _dequantized(module: nn.Module, rows: mx.array) -> mx.array:
+def dequantized_rows(module: nn.Module, rows: mx.array) -> mx.array:
     """``rows`` of the module's weight, dequantized on the CPU, in float32."""
     with mx.stream(mx.cpu):
         biases = module.get("biases")
