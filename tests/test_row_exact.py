@@ -6,6 +6,8 @@ models. Nothing here calls the kernel."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import mlx.nn as nn
@@ -105,3 +107,12 @@ def test_elsewhere_nothing_changes(model_path):
     assert not hasattr(getattr(module, model_attention.NAME), "routed_from")
     linear = model.language_model.model.layers[0].self_attn.o_proj
     assert StepLinear(linear).weight_t is not None
+
+
+def test_an_unknown_matmul_choice_stops_at_import():
+    """A mistyped ``VLM_SERVE_MATMUL`` must not quietly fall back to some other product."""
+    env = {**os.environ, "VLM_SERVE_MATMUL": "fast"}
+    run = subprocess.run([sys.executable, "-c", "import vlm_serve.engine.row_exact"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "VLM_SERVE_MATMUL='fast': expected padded, exact or mlx" in run.stderr

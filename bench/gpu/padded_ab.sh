@@ -2,7 +2,7 @@
 # The row-exact kernel against MLX's matmul on padded passes (VLM_SERVE_MATMUL=padded),
 # on one machine: first the floors padded_matmul finds for the model's layers (from the
 # server's startup log), then a burst of image requests (engine only, with mlx-vlm's
-# batch_generate beside it) and closed-loop text chats, the two ways alternating.
+# batch_generate beside it) and closed-loop text chats, each way in turn.
 # Results (JSON, logs, a summary) go to $OUT.
 #   OUT=DIR bash bench/gpu/padded_ab.sh [preset]        (default gemma3-4b)
 # SWEEP sets the text chats' concurrency levels (default 1,8,64,128).

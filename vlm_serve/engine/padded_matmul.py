@@ -1,25 +1,26 @@
 """MLX's own matmul with each row's bits independent of the other rows, by padding a
 pass's rows to a size from which MLX was seen to add every row's terms in one order.
 
-On an H200 (MLX 0.32.4), MLX's matmul gives a row the same bits whatever the other rows
-of its pass hold, and wherever the row sits in it. Across pass sizes it does so too, once
-a pass has enough rows:
+On H100 and H200 cards (MLX 0.32.4), MLX's matmul gives a row the same bits whatever
+the other rows of its pass hold, and wherever the row sits in it. Across pass sizes it
+does so too, once a pass has enough rows:
 - 8 rows for most of the Gemma-3-4B shape's layers;
-- 264 rows for its down projection (below that, likely, its long input dimension is
-  split across blocks, whose sums meet in another order);
+- 264 rows for its down projection, 320 in ``SIZES`` (below that, likely, its long
+  input dimension is split across blocks, whose sums meet in another order);
 - one row alone takes a gemv of its own.
-(``bench/results/gpu-h200-mlx-matmul-rows``.)
+(``bench/results/gpu-h200-mlx-matmul-rows``, ``bench/results/gpu-h100-padded-matmul``.)
 
 Neither MLX nor cuBLAS promises any of this, so it is checked at load for each layer
-shape, over every pass size the engine may issue (``SIZES``). A shape's floor is the
-smallest size from which every larger one gives probe rows the same bits. A pass is then
-padded with zero rows up to the next size at or above the floor; a pass longer than the
-largest size goes in pieces of it. A shape without a floor low enough to pay
-(``MAX_FLOOR``) stays on the row-exact kernel (``cuda_matmul``).
+shape, over every pass size the engine may issue (``SIZES``); for that model, about 2 s.
+A shape's floor is the smallest size from which every larger one gives probe rows the
+same bits. A pass is then padded with zero rows up to the next size at or above the
+floor; a pass longer than the largest size goes in pieces of it. A shape without a floor
+low enough to pay (``MAX_FLOOR``) stays on the row-exact kernel (``cuda_matmul``).
 
-Opt-in (``VLM_SERVE_MATMUL=padded``) until the GPU tests have run on it: an experiment
-that padded every pass to 512 rows passed them and ran a burst of 64 image requests in
-7.2 s instead of 17.2 s, but slowed decode (512 rows a step).
+The default on CUDA (``row_exact``). On an H100, against the kernel: a burst of 64
+image requests in 7.2 instead of 20.6 s (mlx-vlm: 9.0 s), 1.2x the tokens/s at 128
+concurrent chats, and about 0.65x for a lone request, whose step pads every layer to 8
+rows and the down projection to 320.
 """
 
 from __future__ import annotations

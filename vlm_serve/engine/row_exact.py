@@ -5,26 +5,35 @@ parity suite proves it on every commit. On CUDA its matmuls do not: they choose 
 kernel by the number of rows (``cuda_matmul``). So on CUDA, once at load:
 
 - every linear layer of the language model, and an embedding table read as the output
-  layer, runs through ``cuda_matmul.linear``, which adds each dot product's terms in
-  one order whatever the row count. The family's decode step calls it too (``decode.
+  layer, multiplies so that each dot product's terms are added in one order whatever
+  the row count (below). The family's decode step calls the same product (``decode.
   fused.StepLinear``);
 - the attention of mlx-vlm's language model code (every family's prefill but Gemma
   3's, which has its own) runs on the engine's attention kernel (``model_attention``);
 - each request's images go through the vision tower in a call of their own, not
   stacked with other requests' (the tower's convolutions and matmuls choose their
   kernels by batch too);
-- a model with a linear layer the kernel cannot take (another quantization format, a
-  layer class of its own) is served one row at a time, and says so.
+- a model with a linear layer the row-exact kernel cannot take (another quantization
+  format, a layer class of its own) is served one row at a time, and says so.
 
-A tensor-parallel rank's row-sharded layers (``ShardedToAllLinear``) take the kernel
-for their own partial product, then sum the group's in an order that does not follow
+A tensor-parallel rank's row-sharded layers (``ShardedToAllLinear``) take that product
+for their own part, then sum the group's in an order that does not follow
 the row count (``_group_sum``).
 
-``VLM_SERVE_MATMUL=mlx`` keeps MLX's matmul on CUDA, for comparison only: batched rows
-then drift from their tokens alone. ``VLM_SERVE_MATMUL=padded`` (opt-in, not yet run
-through the GPU tests) takes MLX's own matmul instead of the kernel for each layer
-shape where a check at load finds it keeps a row's bits on padded passes
-(``padded_matmul``).
+How each layer shape multiplies is chosen by ``VLM_SERVE_MATMUL``:
+
+- ``padded`` (the default): MLX's own matmul, each pass padded with zero rows to a size
+  from which a check at load finds that it keeps a row's bits (``padded_matmul``); a
+  shape without such a size takes the row-exact kernel (``cuda_matmul.linear``, which
+  adds the terms in one order at any row count). Much faster on long passes (prefill)
+  and at many rows a step; slower for a lone request, whose step pays for the padding
+  (``bench/results/gpu-h100-padded-matmul``);
+- ``exact``: the row-exact kernel for every layer (a lone request decodes faster);
+- ``mlx``: MLX's matmul as it is, for comparison only: batched rows then drift from
+  their tokens alone.
+
+Prefill and decode multiply with the same function for each shape: a cached prefix's
+keys and values, whichever computed them, must be the ones a prefill would compute.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ from . import cuda_matmul, model_attention, padded_matmul
 
 log = logging.getLogger("vlm_serve.engine")
 
-_MATMUL = os.environ.get("VLM_SERVE_MATMUL", "exact")
+_MATMUL = os.environ.get("VLM_SERVE_MATMUL", "padded")
+if _MATMUL not in ("padded", "exact", "mlx"):
+    raise ValueError(f"VLM_SERVE_MATMUL={_MATMUL!r}: expected padded, exact or mlx")
 _USE_KERNEL = _MATMUL != "mlx"
 _PADDED = _MATMUL == "padded"
 
@@ -54,25 +65,25 @@ def _row_exact_product(x, module):
     return cuda_matmul.linear(x, module)
 
 
-def _on_kernel(self, x):
+def _row_exact(self, x):
     """The layer's product, row-exact (its call, or a table's ``as_linear``)."""
     return _row_exact_product(x, self)
 
 
 class _ExactLinear(nn.Linear):
-    __call__ = _on_kernel
+    __call__ = _row_exact
 
 
 class _ExactQuantizedLinear(nn.QuantizedLinear):
-    __call__ = _on_kernel
+    __call__ = _row_exact
 
 
 class _ExactEmbedding(nn.Embedding):
-    as_linear = _on_kernel
+    as_linear = _row_exact
 
 
 class _ExactQuantizedEmbedding(nn.QuantizedEmbedding):
-    as_linear = _on_kernel
+    as_linear = _row_exact
 
 
 def _group_sum(x: mx.array, group) -> mx.array:
@@ -89,7 +100,7 @@ def _group_sum(x: mx.array, group) -> mx.array:
 
 
 def _sharded_to_all(self, x):
-    """A row-sharded layer's partial product on the kernel, then the group's sum."""
+    """A row-sharded layer's partial product, row-exact, then the group's sum."""
     x = _group_sum(_row_exact_product(x, self), self.group)
     return x + self["bias"] if "bias" in self else x
 
@@ -132,9 +143,10 @@ def prepare(module: nn.Module) -> None:
 
 def install(language_model: nn.Module) -> list[str]:
     """Point the language model's linear layers (and embedding tables, as output
-    layers) at ``cuda_matmul``, in place. Returns the names of linear layers it cannot
-    take; an embedding table counts only where no ``lm_head`` is there to read
-    instead. The model code's attention takes the engine's kernel too."""
+    layers) at the row-exact product, in place. Returns the names of linear layers the
+    kernel cannot take (each layer needs it, for a shape with no padded size); an
+    embedding table counts only where no ``lm_head`` is there to read instead. The
+    model code's attention takes the engine's kernel too."""
     model_attention.route(language_model)
     modules = dict(language_model.named_modules())
     tied = not any(name.split(".")[-1] == "lm_head" for name in modules)
