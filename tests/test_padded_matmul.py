@@ -83,6 +83,25 @@ def test_a_shape_whose_floor_would_cost_too_much_stays_on_the_kernel(monkeypatch
     assert padded_matmul.check(layer) is None
 
 
+def test_sizes_where_a_rows_bits_follow_its_place_in_the_pass_are_below_the_floor(monkeypatch):
+    """A kernel may treat a pass's last rows apart (a partial tile); below 192 rows
+    here, the last row of a pass gets other bits than the same row first."""
+    layer = nn.Linear(256, 32, bias=False)
+    plain = padded_matmul.product
+
+    def last_row_apart(x, module):
+        out = plain(x, module)
+        if x.shape[0] >= 192:
+            return out
+        return mx.concatenate([out[:-1], out[-1:] * (1 + 2 ** -10)])
+
+    monkeypatch.setattr(padded_matmul, "product", last_row_apart)
+    assert padded_matmul.check(layer) == 192
+    monkeypatch.setattr(padded_matmul, "product",
+                        lambda x, m: mx.concatenate([plain(x, m)[:-1], plain(x, m)[-1:] * 2]))
+    assert padded_matmul.check(layer) is None  # at every size: the kernel
+
+
 @pytest.fixture
 def padded_as_if_cuda(monkeypatch):
     """``cuda_matmul.available`` says CUDA, so that load makes its CUDA choices; the

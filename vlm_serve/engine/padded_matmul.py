@@ -13,9 +13,10 @@ does so too, once a pass has enough rows:
 Neither MLX nor cuBLAS promises any of this, so it is checked at load for each layer
 shape, over every pass size the engine may issue (``SIZES``); for that model, about 2 s.
 A shape's floor is the smallest size from which every larger one gives probe rows the
-same bits. A pass is then padded with zero rows up to the next size at or above the
-floor; a pass longer than the largest size goes in pieces of it. A shape without a floor
-low enough to pay (``MAX_FLOOR``) stays on the row-exact kernel (``cuda_matmul``).
+same bits, placed first in the pass or last. A pass is then padded with zero rows up to
+the next size at or above the floor; a pass longer than the largest size goes in pieces
+of it. A shape without a floor low enough to pay (``MAX_FLOOR``) stays on the row-exact
+kernel (``cuda_matmul``).
 
 The default on CUDA (``row_exact``). On an H100, against the kernel: a burst of 64
 image requests in 7.2 instead of 20.6 s (mlx-vlm: 9.0 s), 1.2x the tokens/s at 128
@@ -75,24 +76,31 @@ _FLOORS: dict[tuple, int | None] = {}  # by layer shape
 
 
 def check(module: nn.Module) -> int | None:
-    """Multiply probe rows in a pass of every size, the other rows random: the smallest
-    size from which every larger pass gives them the same bits (as does the largest
-    pass run again), if at most ``MAX_FLOOR``."""
+    """Multiply probe rows in a pass of every size, the other rows random, the probes
+    both first and last: the smallest size from which every larger pass gives them the
+    same bits in both places (as does the largest pass run again), if at most
+    ``MAX_FLOOR``."""
     width = module.weight.shape[1] * (32 // module.bits if quantized(module) else 1)
     rng = np.random.default_rng(0)
     rows = mx.array(rng.standard_normal((SIZES[-1], width)).astype(np.float32)).astype(weight_dtype(module))
     if quantized(module) and not _near_dequantized(rows[:64], module):
         return None
 
-    def probe_bits(size: int) -> bytes:
-        return np.array(product(rows[:size], module)[:PROBE_ROWS].astype(mx.float32)).tobytes()
+    def probe_bits(size: int) -> bytes | None:
+        """The probes' bits in a pass of ``size``, or None where the copy last in the
+        pass got others than the one first (a row's bits would follow its place)."""
+        out = product(mx.concatenate([rows[:size - PROBE_ROWS], rows[:PROBE_ROWS]]), module)
+        first, last = (np.array(part.astype(mx.float32)).tobytes()
+                       for part in (out[:PROBE_ROWS], out[size - PROBE_ROWS:]))
+        return first if first == last else None
 
     bits = {size: probe_bits(size) for size in SIZES}
-    if probe_bits(SIZES[-1]) != bits[SIZES[-1]]:
-        return None  # not even the same pass twice
+    reference = bits[SIZES[-1]]
+    if reference is None or probe_bits(SIZES[-1]) != reference:
+        return None  # the largest pass: its rows follow their place, or it drifts run to run
     floor = None
     for size in reversed(SIZES):
-        if bits[size] != bits[SIZES[-1]]:
+        if bits[size] != reference:
             break
         floor = size
     return floor if floor is not None and floor <= MAX_FLOOR else None
