@@ -57,6 +57,7 @@ class BenchConfig:
     # workload
     num_prompts: int = 64
     num_prompts_per_concurrency: int | None = None
+    min_prompts_per_level: int = 0  # with per-concurrency counts: low levels get at least this many
     warmup: int = 2
     image_sizes: list[tuple[int, int]] = field(default_factory=lambda: [(896, 896)])
     images_per_request: int = 1
@@ -659,7 +660,7 @@ def levels(cfg: BenchConfig) -> list[int | None]:
 
 def prompts_for(cfg: BenchConfig, concurrency: int | None) -> int:
     if cfg.num_prompts_per_concurrency and concurrency:
-        return cfg.num_prompts_per_concurrency * concurrency
+        return max(cfg.num_prompts_per_concurrency * concurrency, cfg.min_prompts_per_level)
     return cfg.num_prompts
 
 
@@ -823,6 +824,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-prompts", type=int, default=64, help="requests per run (per sweep level)")
     w.add_argument("--num-prompts-per-concurrency", type=int, default=None,
                    help="if set, each level sends this many requests per unit of concurrency")
+    w.add_argument("--min-prompts-per-level", type=int, default=0,
+                   help="with --num-prompts-per-concurrency: at least this many requests a level "
+                        "(a level of 1 or 2 otherwise times only a few requests)")
     w.add_argument("--warmup", type=int, default=2, help="uncounted requests sent once, before the first run")
     w.add_argument("--image-size", default="896x896", help="WIDTHxHEIGHT, or a list used round-robin")
     w.add_argument("--images-per-request", type=int, default=1, help="0 = text only")
@@ -856,11 +860,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--images-per-request must be >= 0, --num-prompts and --max-tokens > 0")
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         raise ValueError("--max-concurrency must be > 0")
-    if args.warmup < 0 or (args.num_prompts_per_concurrency or 0) < 0 or args.prompt_tokens < 0:
-        raise ValueError("--warmup, --num-prompts-per-concurrency and --prompt-tokens must be >= 0")
+    if min(args.warmup, args.num_prompts_per_concurrency or 0, args.min_prompts_per_level,
+           args.prompt_tokens) < 0:
+        raise ValueError("--warmup, --num-prompts-per-concurrency, --min-prompts-per-level and "
+                         "--prompt-tokens must be >= 0")
     return BenchConfig(
         base_url=args.base_url, model=args.model, api_key=args.api_key, timeout=args.timeout,
         num_prompts=args.num_prompts, num_prompts_per_concurrency=args.num_prompts_per_concurrency,
+        min_prompts_per_level=args.min_prompts_per_level,
         warmup=args.warmup, image_sizes=parse_image_sizes(args.image_size),
         images_per_request=args.images_per_request, image_format=args.image_format,
         image_content=args.image_content, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,

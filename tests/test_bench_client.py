@@ -360,3 +360,11 @@ def test_error_events_and_timeouts_fail_requests(fake_server, tmp_path):
                           "--max-concurrency", "2", "--max-tokens", "100", "--images-per-request", "0")
     ((message, count),) = result["runs"][0]["metrics"]["errors"].items()
     assert rc == 1 and count == 2 and message.startswith("TimeoutError")
+
+
+def test_levels_of_few_requests_per_concurrency_get_a_floor(fake_server, tmp_path):
+    rc, result = _run_cli(fake_server, tmp_path, "--model", "no-usage", "--concurrency-sweep", "1,3",
+                          "--num-prompts-per-concurrency", "1", "--min-prompts-per-level", "2",
+                          "--max-tokens", "2", "--images-per-request", "0", "--warmup", "0")
+    assert rc == 0
+    assert [r["metrics"]["completed"] for r in result["runs"]] == [2, 3]

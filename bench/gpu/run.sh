@@ -6,7 +6,8 @@
 #   bash bench/gpu/run.sh [preset]        (default gemma3-4b)
 # SERVERS picks the columns (default "envelope vlm-serve mlx-vlm"; "vllm-mlx" adds
 # vllm-mlx 0.6's continuous-batching server); SWEEP and PER_LEVEL set the concurrency
-# levels and requests per unit of concurrency; LOAD=text sends text chats of TEXT_WORDS
+# levels and requests per unit of concurrency (at least MIN_PER_LEVEL a level, default
+# 8: two requests at concurrency 1 swung 25% from run to run); LOAD=text sends text chats of TEXT_WORDS
 # words (default 256; the tiny-vocabulary fixture tokenizer makes ~2.7 tokens of a word,
 # so TEXT_WORDS=95 gives ~256 prompt tokens) instead of the image requests. PROFILE=1
 # samples vlm-serve's threads with py-spy while it serves (PROFILE=native adds C++
@@ -21,6 +22,7 @@ ARCH=${ARCH:-${PRESET%%-*}}
 OUT=${OUT:-bench/results/gpu}
 SWEEP=${SWEEP:-1,8,32,64,128}
 PER_LEVEL=${PER_LEVEL:-2}
+MIN_PER_LEVEL=${MIN_PER_LEVEL:-8}
 MODEL=/tmp/vlm-bench-$PRESET
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
@@ -55,7 +57,7 @@ fi
 if [ -n "${RATE:-}" ]; then  # open loop: Poisson arrivals at RATE/s, at most SWEEP in flight
   LEVELS="--max-concurrency $SWEEP --request-rate $RATE --num-prompts $((SWEEP * PER_LEVEL))"
 else
-  LEVELS="--concurrency-sweep $SWEEP --num-prompts-per-concurrency $PER_LEVEL"
+  LEVELS="--concurrency-sweep $SWEEP --num-prompts-per-concurrency $PER_LEVEL --min-prompts-per-level $MIN_PER_LEVEL"
 fi
 
 sweep() {  # label base_url

@@ -10,8 +10,8 @@
 # Gemma 3), parity (the whole parity suite). Each stops itself LIMIT seconds in (default
 # 540, with SIGINT, so pytest still prints what passed and failed) and keeps its output
 # in $OUT/PART.txt. On an H200 (this file's default parts): attention 7 min, families 7,
-# parity 3, steps 3, checks 2. On an H100 with parity and steps beside it, families
-# passed LIMIT=500 six tests short of its end: give it LIMIT=600, or run shared apart.
+# parity 3, steps 3, checks 2. On an H100, with parity and steps beside it, families
+# reached LIMIT=500 six tests short of its end: give it LIMIT=600, or run shared apart.
 # MLX keeps the kernels it compiles in MLX_PTX_CACHE_DIR (default $TMPDIR/mlx/VERSION/ptx);
 # with CACHE=DIR it uses DIR, and at the end the cache is copied to $OUT/ptx for a later
 # machine to start from (kernels are cached by their name and source, so a changed kernel
