@@ -57,9 +57,7 @@ def on_cpu() -> bool:
 def _cases(module: nn.Module):
     """(what, this device's result, the CPU's from the dequantized weights) for
     ``module``, on a sample of its output columns (both ends, and some between)."""
-    outputs = module.weight.shape[0]
-    columns = mx.array(sorted({*range(min(outputs, 32)), *range(max(0, outputs - 32), outputs),
-                               *range(0, outputs, max(1, outputs // 64))}))
+    columns = sampled_columns(module.weight.shape[0])
     weights = dequantized_rows(module, columns)
     table = isinstance(module, nn.QuantizedEmbedding)
     if table:
@@ -74,6 +72,13 @@ def _cases(module: nn.Module):
             if "bias" in module:
                 want = want + module.bias[columns].astype(mx.float32)
         yield f"{rows} row{'s' if rows > 1 else ''}", got, want
+
+
+def sampled_columns(outputs: int) -> mx.array:
+    """Output columns to check a layer of ``outputs`` on: both ends, and some between
+    (dequantizing a whole output layer would take gigabytes on the host)."""
+    return mx.array(sorted({*range(min(outputs, 32)), *range(max(0, outputs - 32), outputs),
+                            *range(0, outputs, max(1, outputs // 64))}))
 
 
 def dequantized_rows(module: nn.Module, rows: mx.array) -> mx.array:
