@@ -1,4 +1,4 @@
-"""MLX's own matmul on padded passes (``padded_matmul``, ``VLM_SERVE_MATMUL=padded``).
+"""MLX's own matmul on padded passes (``padded_matmul``, the default on CUDA).
 
 The property it rests on (a row's bits do not follow the pass size from a checked floor
 on) is a GPU's, measured by ``bench/gpu/matmul_row_floors.py``; on the CPU MLX's matmul
@@ -161,7 +161,7 @@ def test_an_engine_on_padded_products_serves_each_row_as_alone(padded_as_if_cuda
     prefill passes alone and shared, the compiled decode step with rows joining and
     leaving; and the engine serves each row its tokens alone. Here with MLX's attention
     (the engine's attention kernels are CUDA's), where padding cannot change a row's
-    bits; on a GPU the parity suite runs with ``VLM_SERVE_MATMUL=padded``."""
+    bits; on a GPU the parity suite runs on it (the default there)."""
     padded = []
     linear = padded_matmul.linear
     monkeypatch.setattr(padded_matmul, "linear", lambda x, m, f: padded.append(x.shape) or linear(x, m, f))
