@@ -192,3 +192,52 @@ def test_an_engine_on_padded_products_serves_each_row_as_alone(padded_as_if_cuda
     finally:
         engine.shutdown()
         alone.shutdown()
+
+
+def test_split_prefills_on_padded_passes_and_decodes_on_the_kernel_keeping_no_answers(
+        padded_as_if_cuda, monkeypatch):
+    """``VLM_SERVE_MATMUL=split``: prefill passes take the padded product, the decode step
+    the kernel, and finished rows' keys and values (a decode's, not a prefill's bits) are
+    not offered to the prefix cache. The kernel is CUDA's: here a stand-in does its
+    product (MLX's CPU matmul, which keeps a row's bits at any row count)."""
+    from vlm_serve.engine.prefix_cache import PrefixCache
+
+    monkeypatch.setattr(row_exact, "_SPLIT", True)
+    in_step = {"kernel": [], "padded": []}  # where each product was made (traced)
+    linear = padded_matmul.linear
+
+    def kernel_stand_in(x, module):
+        in_step["kernel"].append(row_exact._in_decode_step)
+        return linear(x, module, padded_matmul.SIZES[0])
+
+    def padded(x, module, floor):
+        in_step["padded"].append(row_exact._in_decode_step)
+        return linear(x, module, floor)
+
+    stored = []  # the lengths of the prefixes kept
+    store = PrefixCache.store
+
+    def keep(self, key, cache):
+        stored.append(len(key))
+        return store(self, key, cache)
+
+    monkeypatch.setattr(cuda_matmul, "linear", kernel_stand_in)
+    monkeypatch.setattr(padded_matmul, "linear", padded)
+    monkeypatch.setattr(PrefixCache, "store", keep)
+    path = str(cached_model("gemma3"))
+    engine = Engine(path, SchedulerConfig(max_num_seqs=4))
+    engine.start()
+    try:
+        loaded = engine.loaded
+        ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 8, loaded.chat_template)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        jobs = [(prepare_prompt(ctx, rid, render_chat(ctx, [{"role": "user", "content": text}]), params, []),
+                 None, None) for rid, text in (("a", "Hi!"), ("b", LONG_TEXT[:200]))]
+        results = run_jobs(engine, jobs)
+        assert all(results[p.request_id]["error"] is None for p, _, _ in jobs)
+    finally:
+        engine.shutdown()
+    assert in_step["kernel"] and all(in_step["kernel"])  # decode steps only
+    assert in_step["padded"] and not any(in_step["padded"])  # prefill passes only
+    longest_prompt = max(len(p.input_ids) for p, _, _ in jobs)
+    assert stored and max(stored) <= longest_prompt  # prompts kept, answers not
