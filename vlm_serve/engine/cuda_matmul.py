@@ -284,6 +284,12 @@ def quantized(module) -> bool:
     return "scales" in module
 
 
+def own_bias(module: nn.Module) -> mx.array | None:
+    """The bias a layer adds to its own product, if any (a row-sharded layer adds its
+    after the group's sum)."""
+    return module.get("bias") if isinstance(module, (nn.Linear, nn.QuantizedLinear)) else None
+
+
 def weight_dtype(module: nn.Module) -> mx.Dtype:
     """The dtype a layer multiplies in: its weight's, or a quantized layer's scales'."""
     return module.scales.dtype if quantized(module) else module.weight.dtype
@@ -367,7 +373,7 @@ def linear(x: mx.array, module: nn.Module) -> mx.array:
     if quantized(module):
         inputs += [module.scales, module.biases]
         template += [("BITS", module.bits), ("GROUP", module.group_size)]
-    bias = module.get("bias") if isinstance(module, (nn.Linear, nn.QuantizedLinear)) else None
+    bias = own_bias(module)
     if bias is not None:
         inputs.append(bias.astype(x.dtype))
     common = dict(inputs=inputs, output_shapes=[(m, n)], output_dtypes=[x.dtype])

@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cuda_matmul import in_weight_dtype, quantized, weight_dtype
+from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 
 # The pass sizes a padded pass may take, in rows.
 SIZES = (8, 16, 32, *range(64, 2049, 64))
@@ -44,23 +44,17 @@ PROBE_ROWS = 8
 def product(x: mx.array, module: nn.Module) -> mx.array:
     """``x @ W.T`` (plus the bias) as MLX's layer computes it; an embedding table as
     its ``as_linear``."""
+    bias = own_bias(module)
     if quantized(module):
         out = mx.quantized_matmul(x, module.weight, module.scales, module.biases, transpose=True,
                                   group_size=module.group_size, bits=module.bits)
-        return out + module.bias if _has_bias(module) else out
-    if _has_bias(module):
-        return mx.addmm(module.bias, x, module.weight.T)
-    return x @ module.weight.T
-
-
-def _has_bias(module: nn.Module) -> bool:
-    """A bias of the layer's own (a sharded layer adds its after the group's sum)."""
-    return isinstance(module, (nn.Linear, nn.QuantizedLinear)) and "bias" in module
+        return out if bias is None else out + bias
+    return x @ module.weight.T if bias is None else mx.addmm(bias, x, module.weight.T)
 
 
 def _shape_key(module: nn.Module) -> tuple:
     group = (module.bits, module.group_size) if quantized(module) else None
-    return (tuple(module.weight.shape), str(weight_dtype(module)), group, _has_bias(module))
+    return (tuple(module.weight.shape), str(weight_dtype(module)), group, own_bias(module) is not None)
 
 
 def floor_of(module: nn.Module) -> int | None:
@@ -124,8 +118,9 @@ def _near_dequantized(rows: mx.array, module: nn.Module, checked: int = 64) -> b
     columns = quantized_check.sampled_columns(module.weight.shape[0])
     with mx.stream(mx.cpu):
         expected = rows[:checked].astype(mx.float32) @ quantized_check.dequantized_rows(module, columns).T
-        if _has_bias(module):
-            expected = expected + module.bias[columns].astype(mx.float32)
+        bias = own_bias(module)
+        if bias is not None:
+            expected = expected + bias[columns].astype(mx.float32)
     products = (product(rows[:checked], module), product(rows, module)[:checked])
     return all(quantized_check.relative_error(out[:, columns], expected) <= quantized_check.TOLERANCE
                for out in products)
