@@ -115,4 +115,4 @@ def test_an_unknown_matmul_choice_stops_at_import():
     run = subprocess.run([sys.executable, "-c", "import vlm_serve.engine.row_exact"], env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0
-    assert "VLM_SERVE_MATMUL='fast': expected padded, exact, split or mlx" in run.stderr
+    assert "VLM_SERVE_MATMUL='fast': expected padded, exact or mlx" in run.stderr

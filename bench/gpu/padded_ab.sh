@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The ways CUDA may multiply (VLM_SERVE_MATMUL: exact, the row-exact kernel; padded, MLX's
-# matmul on padded passes; split, padded prefill and decode steps on the kernel), on one
-# machine: first the floors padded_matmul finds for the model's layers (from the
-# server's startup log), then a burst of image requests (engine only, with mlx-vlm's
-# batch_generate beside it) and closed-loop text chats, each way in turn.
+# matmul on padded passes, the default), on one machine: first the floors padded_matmul
+# finds for the model's layers (from the server's startup log), then a burst of image
+# requests (engine only, with mlx-vlm's batch_generate beside it) and closed-loop text
+# chats, each way in turn.
 # Results (JSON, logs, a summary) go to $OUT.
 #   OUT=DIR bash bench/gpu/padded_ab.sh [preset]        (default gemma3-4b)
-# WAYS picks the ways (default "exact padded split"), SWEEP the text chats' concurrency
+# WAYS picks the ways (default "exact padded"), SWEEP the text chats' concurrency
 # levels (default 1,8,64,128); BURST=0 skips the bursts.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
 
-WAYS=${WAYS:-exact padded split}
+WAYS=${WAYS:-exact padded}
 if [ "${BURST:-1}" != 0 ]; then
   for way in $WAYS; do
     VLM_SERVE_MATMUL=$way python3 bench/burst.py --model "$MODEL" --engine vlm-serve \

@@ -29,20 +29,17 @@ How each layer shape multiplies is chosen by ``VLM_SERVE_MATMUL``:
   and at many rows a step; slower for a lone request, whose step pays for the padding
   (``bench/results/gpu-h100-padded-matmul``);
 - ``exact``: the row-exact kernel for every layer (a lone request decodes faster);
-- ``split`` (an experiment): prefill as ``padded``, decode steps on the kernel. A
-  finished row's keys and values then differ from a prefill's of the same tokens, so
-  the prefix cache does not keep answers (``decode_matches_prefill``);
 - ``mlx``: MLX's matmul as it is, for comparison only: batched rows then drift from
   their tokens alone.
 
-Otherwise prefill and decode multiply with the same function for each shape: a cached
-prefix's keys and values, whichever computed them, must be the ones a prefill would
-compute.
+Prefill and decode multiply with the same function for each shape: a cached prefix's
+keys and values, whichever computed them, must be the ones a prefill would compute.
+(Padded prefill with decode steps on the kernel was tried, and lost to one of the two
+ways above at every load measured: ``bench/results/gpu-h200-padded-default``.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
@@ -55,39 +52,16 @@ from . import cuda_matmul, model_attention, padded_matmul
 log = logging.getLogger("vlm_serve.engine")
 
 _MATMUL = os.environ.get("VLM_SERVE_MATMUL", "padded")
-if _MATMUL not in ("padded", "exact", "split", "mlx"):
-    raise ValueError(f"VLM_SERVE_MATMUL={_MATMUL!r}: expected padded, exact, split or mlx")
+if _MATMUL not in ("padded", "exact", "mlx"):
+    raise ValueError(f"VLM_SERVE_MATMUL={_MATMUL!r}: expected padded, exact or mlx")
 _USE_KERNEL = _MATMUL != "mlx"
-_PADDED = _MATMUL in ("padded", "split")
-_SPLIT = _MATMUL == "split"
-_in_decode_step = False  # set while an engine decode step runs (or is traced)
-
-
-@contextlib.contextmanager
-def decode_step():
-    """The products made inside are an engine decode step's: with ``split``, the
-    kernel's. The MLX worker is one thread, and a compiled step keeps the products
-    it was traced with, so a flag read at trace time is enough."""
-    global _in_decode_step
-    outer, _in_decode_step = _in_decode_step, True
-    try:
-        yield
-    finally:
-        _in_decode_step = outer
-
-
-def decode_matches_prefill() -> bool:
-    """Whether a decode step's keys and values are the bits a prefill pass of the same
-    tokens would compute (not with ``split`` on CUDA): a finished row's KV may then
-    serve as a cached prefix."""
-    return not (_SPLIT and applies())
+_PADDED = _MATMUL == "padded"
 
 
 def _row_exact_product(x, module):
     """``module``'s product with each row's bits independent of the other rows: MLX's
-    matmul on padded passes where that was checked for its shape (with ``split``, not
-    in a decode step), else the kernel."""
-    floor = padded_matmul.floor_of(module) if _PADDED and not (_SPLIT and _in_decode_step) else None
+    matmul on padded passes where that was checked for its shape, else the kernel."""
+    floor = padded_matmul.floor_of(module) if _PADDED else None
     if floor is not None:
         return padded_matmul.linear(x, module, floor)
     return cuda_matmul.linear(x, module)
@@ -195,6 +169,5 @@ def install(language_model: nn.Module) -> list[str]:
         elif linear or tied:
             left.append(name or type(module).__name__)
     if _PADDED:
-        log.info("CUDA: MLX's matmul on padded passes where checked: %s%s", padded_matmul.describe(),
-                 " (prefill passes; decode steps on the kernel)" if _SPLIT else "")
+        log.info("CUDA: MLX's matmul on padded passes where checked: %s", padded_matmul.describe())
     return left

@@ -25,7 +25,6 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import row_exact
 from .batch import Batch, JoiningRow
 from .decode.store import slot_bucket
 from .detokenize import TextAssembler
@@ -726,9 +725,8 @@ class Scheduler:
     def _keep_answers(self, states: list[RequestState]) -> None:
         """Offer the KV of rows that finished (their prompt and the answer so far) to
         the prefix cache before they leave: a chat client's next turn resends both, and
-        then prefills only what it adds. Rows that failed keep nothing, and none does
-        where decode steps compute other bits than a prefill would (``row_exact``)."""
-        if self.prefix_cache is None or not row_exact.decode_matches_prefill():
+        then prefills only what it adds. Rows that failed keep nothing."""
+        if self.prefix_cache is None:
             return
         rows = {id(s): i for i, s in enumerate(self.running)}
         for state in states:

@@ -17,7 +17,6 @@ import os
 
 import mlx.core as mx
 
-from .. import row_exact
 from . import cuda_attention
 from .attention import uses_kernels
 from .store import LayerKind, SlotStore
@@ -63,8 +62,7 @@ class StepDecoder:
         indices = [layouts[k].write_index for k in store.kinds]
         visible = [layouts[k].visible for k in store.kinds]
         args = (tokens, rope_positions, indices, visible, store.keys, store.values, *self.step_inputs(store))
-        with row_exact.decode_step():
-            logits, store.keys, store.values = self._forward_for(store.slots, args)(*args)
+        logits, store.keys, store.values = self._forward_for(store.slots, args)(*args)
         store.advance()
         return logits
 
