@@ -71,8 +71,10 @@ profile_start() {  # pid label: sample the server's threads until profile_stop
   spy=
   [ "${PROFILE:-0}" != 0 ] || return 0
   command -v py-spy > /dev/null || { echo "PROFILE: py-spy is not installed; not profiling"; return 0; }
-  py-spy record --pid "$1" --rate 200 --threads --idle --nonblocking --format raw \
-      $([ "$PROFILE" = native ] && echo --native) -o "$OUT/$2.pyspy.txt" > "$OUT/$2.pyspy.log" 2>&1 &
+  # Native frames need the process paused while it is sampled (no --nonblocking).
+  py-spy record --pid "$1" --rate 200 --threads --idle --format raw \
+      $([ "$PROFILE" = native ] && echo --native || echo --nonblocking) \
+      -o "$OUT/$2.pyspy.txt" > "$OUT/$2.pyspy.log" 2>&1 &
   spy=$!
 }
 profile_stop() {  # label
