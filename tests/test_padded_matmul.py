@@ -10,6 +10,8 @@ halves below a row count, as cuBLAS's split of a long input dimension does on a 
 from __future__ import annotations
 
 import math
+import re
+import tempfile
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -130,6 +132,36 @@ def test_every_layer_of_a_model_and_its_step_takes_the_padded_product(padded_as_
     assert mx.array_equal(layer(x), x @ layer.weight.T).item()
 
 
+def _graph_nodes(out: mx.array) -> list[str]:
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out)
+        return re.findall(r'label ="([^"]+)"', f.read())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 2100])
+def test_a_decode_steps_call_gives_the_layers_bits_with_its_choices_made_once(padded_as_if_cuda, rows):
+    """``row_exact.step_call``: the layer's own bits, with ``W.T`` taken at build, so
+    that a pass of a checked size is one matmul node in the step's graph (no transpose,
+    no reshape, no padding) and a shorter one a pad, the matmul and a slice."""
+    layers = nn.Module()
+    layers.biased, layers.proj, layers.table = nn.Linear(64, 96), nn.Linear(64, 96, bias=False), nn.Embedding(200, 64)
+    assert row_exact.install(layers) == []
+    x = mx.random.normal((rows, 64))
+    for layer, tied in ((layers.biased, False), (layers.proj, False), (layers.table, True)):
+        call = row_exact.step_call(layer, tied)
+        own = layer.as_linear if tied else layer
+        assert mx.array_equal(call(x), own(x)).item()
+        assert mx.array_equal(call(x[:, None]), own(x[:, None])).item()
+        if layer is layers.biased:
+            continue
+        mx.eval(x)
+        nodes = sorted(_graph_nodes(call(x)))
+        if rows in padded_matmul.SIZES:
+            assert nodes == ["Matmul"]
+        elif rows < padded_matmul.SIZES[-1]:
+            assert nodes == ["Matmul", "Pad", "Slice"]
+
+
 def test_a_quantized_shape_whose_product_strays_from_its_weights_stays_on_the_kernel(monkeypatch):
     """As MLX 0.32.4's CUDA 4-bit matmul does for narrow layers past one row."""
     _, layer, _ = _layers()[1]
@@ -164,7 +196,8 @@ def test_an_engine_on_padded_products_serves_each_row_as_alone(padded_as_if_cuda
     bits; on a GPU the parity suite runs on it (the default there)."""
     padded = []
     linear = padded_matmul.linear
-    monkeypatch.setattr(padded_matmul, "linear", lambda x, m, f: padded.append(x.shape) or linear(x, m, f))
+    monkeypatch.setattr(padded_matmul, "linear",
+                        lambda x, m, f, w=None: padded.append(x.shape) or linear(x, m, f, w))
     path = str(cached_model(arch))
     engine = Engine(path, SchedulerConfig(max_num_seqs=8, prefill_step_size=32, prefill_token_budget=64))
     engine.start()

@@ -41,15 +41,29 @@ MAX_FLOOR = 512
 PROBE_ROWS = 8
 
 
-def product(x: mx.array, module: nn.Module) -> mx.array:
+def product(x: mx.array, module: nn.Module, weight_t: mx.array | None = None) -> mx.array:
     """``x @ W.T`` (plus the bias) as MLX's layer computes it; an embedding table as
-    its ``as_linear``."""
+    its ``as_linear``. ``weight_t`` is ``W.T`` taken once (``transposed``), else it is
+    taken here, a node of the graph."""
     bias = own_bias(module)
     if quantized(module):
         out = mx.quantized_matmul(x, module.weight, module.scales, module.biases, transpose=True,
                                   group_size=module.group_size, bits=module.bits)
         return out if bias is None else out + bias
-    return x @ module.weight.T if bias is None else mx.addmm(bias, x, module.weight.T)
+    w_t = module.weight.T if weight_t is None else weight_t
+    return x @ w_t if bias is None else mx.addmm(bias, x, w_t)
+
+
+def transposed(module: nn.Module) -> mx.array | None:
+    """A plain layer's ``W.T``, evaluated once: a view of the same memory, so the
+    matmul reads the very array it reads from a ``W.T`` taken in the graph, and gives
+    the same bits, without that node in every decode step. None for a quantized layer,
+    whose kernel transposes."""
+    if quantized(module):
+        return None
+    weight_t = module.weight.T
+    mx.eval(weight_t)
+    return weight_t
 
 
 def _shape_key(module: nn.Module) -> tuple:
@@ -131,21 +145,26 @@ def pass_size(rows: int, floor: int) -> int:
     return next(size for size in SIZES if size >= max(rows, floor))
 
 
-def linear(x: mx.array, module: nn.Module, floor: int) -> mx.array:
+def linear(x: mx.array, module: nn.Module, floor: int, weight_t: mx.array | None = None) -> mx.array:
     """``product(x, module)``, its rows padded to a checked size (in pieces of the
     largest). Inputs of another dtype than the layer's are rounded to it, as the check
     multiplied (and as the kernel does), and the result is given in MLX's dtype."""
     if x.dtype != weight_dtype(module):
-        return in_weight_dtype(functools.partial(linear, floor=floor), x, module)
-    *lead, width = x.shape
-    rows = x.reshape(-1, width)
-    pieces = []
-    for start in range(0, rows.shape[0], SIZES[-1]):
-        piece = rows[start:start + SIZES[-1]]
-        n = piece.shape[0]
-        size = pass_size(n, floor)
-        if size > n:
-            piece = mx.concatenate([piece, mx.zeros((size - n, width), piece.dtype)])
-        pieces.append(product(piece, module)[:n])
-    out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
-    return out.reshape(*lead, out.shape[-1])
+        return in_weight_dtype(lambda x, module: _padded(x, module, floor, weight_t), x, module)
+    return _padded(x, module, floor, weight_t)
+
+
+def _padded(x: mx.array, module: nn.Module, floor: int, weight_t: mx.array | None) -> mx.array:
+    """``linear`` in the layer's dtype. A pass already of a checked size takes no
+    padding, and 2-D rows no reshape: in a decode step each would be a node more."""
+    if x.ndim != 2:
+        out = _padded(x.reshape(-1, x.shape[-1]), module, floor, weight_t)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    n = x.shape[0]
+    if n > SIZES[-1]:
+        return mx.concatenate([_padded(x[start:start + SIZES[-1]], module, floor, weight_t)
+                               for start in range(0, n, SIZES[-1])])
+    size = pass_size(n, floor)
+    if size == n:
+        return product(x, module, weight_t)
+    return product(mx.pad(x, ((0, size - n), (0, 0))), module, weight_t)[:n]

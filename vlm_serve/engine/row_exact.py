@@ -136,6 +136,23 @@ def installed(module: nn.Module) -> bool:
     return type(module) in _EXACT.values()
 
 
+# Installed layers whose call is their product alone (a row-sharded layer's adds the
+# group's sum).
+_PRODUCT_ONLY = (_ExactLinear, _ExactQuantizedLinear, _ExactEmbedding, _ExactQuantizedEmbedding)
+
+
+def step_call(module: nn.Module, tied: bool = False):
+    """An installed layer's call for a decode step (a table's ``as_linear`` where
+    ``tied``), with its padded product's choices made once, at build: its floor, and
+    ``W.T``, which would otherwise be a node of every step (``padded_matmul.transposed``)."""
+    call = module.as_linear if tied else module
+    floor = padded_matmul.floor_of(module) if _PADDED and type(module) in _PRODUCT_ONLY else None
+    if floor is None:
+        return call
+    weight_t = padded_matmul.transposed(module)
+    return lambda x: padded_matmul.linear(x, module, floor, weight_t)
+
+
 def prepare(module: nn.Module) -> None:
     """Make the load-time choices for an installed layer's product (where padded, its
     shape's check), so that none is made inside a compiled step."""

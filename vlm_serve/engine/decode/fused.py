@@ -27,7 +27,8 @@ class StepLinear:
     memory, so the matmul and its result are the same). Quantized layers transpose
     inside their kernel already and are called as they are. ``tied`` reads an embedding
     table as the output layer, as ``Embedding.as_linear`` does. On CUDA a layer on the
-    row-exact matmul (``row_exact``) is called as it is."""
+    row-exact matmul takes that product (``row_exact.step_call``), where padded with
+    ``W.T`` taken once as well."""
 
     def __init__(self, module: nn.Module, tied: bool = False):
         self.module = module
@@ -35,7 +36,8 @@ class StepLinear:
         self.weight_t = self.bias = None
         if row_exact.installed(module):
             row_exact.prepare(module)  # a fused layer's shape is new to the checks
-            return  # its own call is the row-exact product
+            self.call = row_exact.step_call(module, tied)  # the row-exact product
+            return
         if isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(
             module, (nn.QuantizedLinear, nn.QuantizedEmbedding)
         ):
