@@ -146,6 +146,7 @@ def test_a_decode_steps_call_gives_the_layers_bits_with_its_choices_made_once(pa
     layers = nn.Module()
     layers.biased, layers.proj, layers.table = nn.Linear(64, 96), nn.Linear(64, 96, bias=False), nn.Embedding(200, 64)
     assert row_exact.install(layers) == []
+    assert row_exact.step_call(layers.table) is layers.table  # a lookup stays a lookup
     x = mx.random.normal((rows, 64))
     for layer, tied in ((layers.biased, False), (layers.proj, False), (layers.table, True)):
         call = row_exact.step_call(layer, tied)

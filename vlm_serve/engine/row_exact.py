@@ -137,8 +137,9 @@ def installed(module: nn.Module) -> bool:
 
 
 # Installed layers whose call is their product alone (a row-sharded layer's adds the
-# group's sum).
-_PRODUCT_ONLY = (_ExactLinear, _ExactQuantizedLinear, _ExactEmbedding, _ExactQuantizedEmbedding)
+# group's sum), and tables, whose ``as_linear`` is.
+_PRODUCT_ONLY = (_ExactLinear, _ExactQuantizedLinear)
+_TABLES = (_ExactEmbedding, _ExactQuantizedEmbedding)
 
 
 def step_call(module: nn.Module, tied: bool = False):
@@ -146,7 +147,8 @@ def step_call(module: nn.Module, tied: bool = False):
     ``tied``), with its padded product's choices made once, at build: its floor, and
     ``W.T``, which would otherwise be a node of every step (``padded_matmul.transposed``)."""
     call = module.as_linear if tied else module
-    floor = padded_matmul.floor_of(module) if _PADDED and type(module) in _PRODUCT_ONLY else None
+    products = type(module) in (_TABLES if tied else _PRODUCT_ONLY)
+    floor = padded_matmul.floor_of(module) if _PADDED and products else None
     if floor is None:
         return call
     weight_t = padded_matmul.transposed(module)
