@@ -26,8 +26,6 @@ rows and the down projection to 320.
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
