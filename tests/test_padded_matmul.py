@@ -19,6 +19,7 @@ import pytest
 from mlx_vlm import load
 
 from vlm_serve.engine import cuda_matmul, padded_matmul, row_exact
+from vlm_serve.engine.decode.store import slot_buckets
 from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.families import family_for
 from vlm_serve.engine.scheduler import SchedulerConfig
@@ -58,6 +59,13 @@ def test_a_padded_pass_gives_each_row_the_plain_products_bits(rows):
     padded = padded_matmul.linear(x, layer, padded_matmul.floor_of(layer))
     assert padded.dtype == mx.float32
     assert mx.array_equal(padded, layer(x.astype(mx.bfloat16)).astype(mx.float32)).item()
+
+
+def test_a_decode_step_of_any_slot_bucket_from_8_rows_is_a_pass_size_of_its_own():
+    """Steps run on the store's slot buckets: each that MLX's matmul was measured at (the
+    multiples of 8) is a pass size, so a step of that many slots is not padded further."""
+    buckets = [b for b in slot_buckets(padded_matmul.SIZES[-1]) if b % 8 == 0]
+    assert buckets and all(padded_matmul.pass_size(b, 8) == b for b in buckets)
 
 
 def _split_below(rows: int):

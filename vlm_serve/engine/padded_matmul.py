@@ -32,8 +32,10 @@ import numpy as np
 
 from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 
-# The pass sizes a padded pass may take, in rows.
-SIZES = (8, 16, 32, *range(64, 2049, 64))
+# The pass sizes a padded pass may take, in rows: steps of 64 up to the largest, and
+# every number of slots a decode step may have from 8 up (``decode.store``'s buckets),
+# so that a step of any of them multiplies its own rows, none padded.
+SIZES = tuple(sorted({8, 16, 24, 32, 48, 96, *range(64, 2049, 64)}))
 # A floor above this costs a decode step more in padding than the row-exact kernel.
 MAX_FLOOR = 512
 PROBE_ROWS = 8
