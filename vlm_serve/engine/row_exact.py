@@ -58,12 +58,13 @@ _USE_KERNEL = _MATMUL != "mlx"
 _PADDED = _MATMUL == "padded"
 
 
-def _row_exact_product(x, module):
+def _row_exact_product(x, module, weight_t=None):
     """``module``'s product with each row's bits independent of the other rows: MLX's
-    matmul on padded passes where that was checked for its shape, else the kernel."""
+    matmul on padded passes where that was checked for its shape (by ``weight_t`` where
+    given, ``padded_matmul.transposed``), else the kernel."""
     floor = padded_matmul.floor_of(module) if _PADDED else None
     if floor is not None:
-        return padded_matmul.linear(x, module, floor)
+        return padded_matmul.linear(x, module, floor, weight_t)
     return cuda_matmul.linear(x, module)
 
 
@@ -144,15 +145,12 @@ _TABLES = (_ExactEmbedding, _ExactQuantizedEmbedding)
 
 def step_call(module: nn.Module, tied: bool = False):
     """An installed layer's call for a decode step (a table's ``as_linear`` where
-    ``tied``), with its padded product's choices made once, at build: its floor, and
-    ``W.T``, which would otherwise be a node of every step (``padded_matmul.transposed``)."""
-    call = module.as_linear if tied else module
-    products = type(module) in (_TABLES if tied else _PRODUCT_ONLY)
-    floor = padded_matmul.floor_of(module) if _PADDED and products else None
-    if floor is None:
-        return call
+    ``tied``), with ``W.T`` taken once, at build, for the padded product: otherwise a
+    node of every step (``padded_matmul.transposed``)."""
+    if not (_PADDED and type(module) in (_TABLES if tied else _PRODUCT_ONLY)):
+        return module.as_linear if tied else module
     weight_t = padded_matmul.transposed(module)
-    return lambda x: padded_matmul.linear(x, module, floor, weight_t)
+    return lambda x: _row_exact_product(x, module, weight_t)
 
 
 def prepare(module: nn.Module) -> None:
