@@ -24,7 +24,7 @@ SWEEP=${SWEEP:-1,8,32,64,128}
 PER_LEVEL=${PER_LEVEL:-2}
 MIN_PER_LEVEL=${MIN_PER_LEVEL:-8}
 MODEL=/tmp/vlm-bench-$PRESET
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 
 [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
