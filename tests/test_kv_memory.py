@@ -397,6 +397,31 @@ def test_prompts_reusing_one_prefix_get_caches_of_one_shape():
     assert first[0].keys.shape == second[0].keys.shape and first[0].offset == second[0].offset
 
 
+def test_a_lookup_of_at_most_n_tokens_gives_a_cache_of_n():
+    """``reusable`` says what ``lookup`` will reuse without copying a cache; with
+    ``at_most`` both stop there, and the cache holds just that many tokens, shaped as
+    a prompt that shares only those would get it."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from vlm_serve.engine.prefix_cache import PrefixCache
+
+    def window(n: int) -> list:
+        c = RotatingKVCache(max_size=32)
+        c.update_and_fetch(mx.zeros((1, 1, n, 2)), mx.zeros((1, 1, n, 2)))
+        return [c]
+
+    prefixes = PrefixCache(16, 1 << 30)
+    prefixes.store(list(range(20)), window(20))
+    query = list(range(14)) + [99, 99]
+    assert prefixes.reusable(query) == 14 and prefixes.reusable(query, at_most=9) == 9
+    assert prefixes.reused_tokens == 0  # nothing was taken
+    cache, n = prefixes.lookup(query, at_most=9)
+    alike, m = prefixes.lookup(list(range(9)) + [77])
+    assert n == m == 9 == cache[0].offset
+    assert cache[0].keys.shape == alike[0].keys.shape
+    assert prefixes.reusable(query, at_most=30) == 14
+
+
 def test_slot_buckets_are_every_slot_count_a_batch_can_take():
     """The warm-up decodes one batch per slot bucket: the list must be exactly the
     slot counts that 1..limit rows allocate."""

@@ -112,7 +112,8 @@ async def _run(engine: Engine, jobs):
         for key, ev in progress.items():
             if key.startswith(prepared.request_id + ":"):
                 ev.set()  # never leave a waiter hanging
-        results[prepared.request_id] = {"tokens": tokens, "text": text, "finish": final.finish_reason, "error": final.error}
+        results[prepared.request_id] = {"tokens": tokens, "text": text, "finish": final.finish_reason, "error": final.error,
+                                        "cached": (final.stats or {}).get("cached_tokens")}
 
     for _, start_after, _ in jobs:
         if start_after:
@@ -476,6 +477,32 @@ def test_a_burst_led_by_a_long_prompt_still_shares_the_rest(burst):
     for rid, ids in prompts.items():
         assert results[rid]["tokens"] == _oracle_from_ids(burst, ids, 6)
     assert scheduler.shared_prefill_rows >= rows + 2
+
+
+def test_a_burst_from_cached_prefixes_of_different_lengths_shares_its_passes(burst):
+    """Three prompts of one length find cached prefixes 2 and 4 tokens apart (an earlier
+    prompt shared a little more with some of them). Each would go on alone from its own;
+    they go on together from the shortest, in one shared pass, and each gives the
+    oracle's tokens."""
+    scheduler = burst.engine.scheduler
+    if not scheduler.family.batch_prefill:
+        pytest.skip("this family prefills text prompts one at a time")
+    tokenizer = burst.ctx.processor.tokenizer
+    stored = tokenizer.encode(chat_prompt(burst.ctx, Case("c", "Count the red birds.")), add_special_tokens=False)
+    run_jobs(burst.engine, [(_prepared_from_ids(burst, "stored", stored, 2), None, None)])
+    other = tokenizer.encode(" seven green frogs jumped over the old stone wall", add_special_tokens=False)
+    shared = [len(stored) - 8, len(stored) - 6, len(stored) - 4]  # tokens each shares with it
+    prompts = {}
+    for n in shared:
+        tail = [t for t in other if t != stored[n]][:len(stored) - n]  # parts from it at n
+        prompts[f"from-{n}"] = stored[:n] + tail
+    rows = scheduler.shared_prefill_rows
+    results = run_burst(burst, [(_prepared_from_ids(burst, rid, ids, 6), None, None)
+                                for rid, ids in prompts.items()])
+    for rid, ids in prompts.items():
+        assert results[rid]["tokens"] == _oracle_from_ids(burst, ids, 6)
+        assert results[rid]["cached"] == shared[0]  # each went on from the shortest prefix
+    assert scheduler.shared_prefill_rows >= rows + len(prompts)
 
 
 def test_burst_shares_the_vision_tower_and_the_cache_still_serves(burst, monkeypatch):

@@ -48,6 +48,7 @@ class Prefill:
         self.prefix_cache = prefix_cache if prefix_cacheable(family, request) else None
         self.reused = 0  # prompt tokens whose KV came from the prefix cache
         self._found: tuple[list | None, int] | None = None  # the prefix lookup, once made
+        self._reuse_limit: int | None = None  # at most this many cached tokens (``reuse_at_most``)
         self.position = 0  # prompt tokens in the cache so far
         self.cache = vlm_cache.make_prompt_cache(model.language_model)
         self.input_ids: mx.array | None = None
@@ -125,10 +126,24 @@ class Prefill:
         """The cache of this prompt's longest stored prefix and its length (looked up
         once: a lookup copies the cache)."""
         if self._found is None:
-            found = self.prefix_cache.lookup(self._key()) if self.prefix_cache is not None else None
+            found = (self.prefix_cache.lookup(self._key(), self._reuse_limit)
+                     if self.prefix_cache is not None else None)
             self._found = found if found is not None and found[0] is not None else (None, 0)
             self.reused = self._found[1]
         return self._found
+
+    def reusable(self, at_most: int | None = None) -> int:
+        """How many prompt tokens the prefix cache holds for this prompt (of at most
+        ``at_most``), before it is looked up."""
+        if self.prefix_cache is None or self._found is not None:
+            return self.reused
+        return self.prefix_cache.reusable(self._key(), at_most)
+
+    def reuse_at_most(self, n: int) -> None:
+        """Take at most ``n`` tokens from the prefix cache (before it is looked up): the
+        rest is prefilled. A prompt's tokens do not depend on how much of it came from
+        the cache (the parity suite checks reuse against prefilling from none)."""
+        self._reuse_limit = n
 
     @functools.cached_property
     def _text_after_cached_images(self) -> bool:

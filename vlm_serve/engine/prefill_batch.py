@@ -43,6 +43,10 @@ from .prefill import (
 # Layer caches whose rows can be sliced apart: the single-request caches a prompt gets.
 _SPLITTABLE = (vlm_cache.KVCache, vlm_cache.RotatingKVCache)
 
+# Cached tokens a text prompt gives up, to be prefilled again, so as to share its passes
+# with prompts whose cached prefix is shorter (see ``PrefillGroup._align_prefixes``).
+REPREFILL_TOKENS = 16
+
 
 class PrefillGroup:
     def __init__(self, model, family: Family, members: list[Prefill]):
@@ -85,6 +89,7 @@ class PrefillGroup:
     def start(self) -> int:
         """Materialize every member, run their uncached images through shared tower
         calls and embed them. Returns the cost in prompt tokens (as ``Prefill.start``)."""
+        self._align_prefixes()
         prepared = [(m, *m.materialize()) for m in self.members]
         features = self._encode_together(prepared)
         cost = 0
@@ -96,6 +101,20 @@ class PrefillGroup:
         # shared system prompt, or none) go on together from its end.
         self._split(_partition(self.members, lambda a, b: _same_layout(a.cache, b.cache)))
         return cost
+
+    def _align_prefixes(self) -> None:
+        """Text prompts find cached prefixes of slightly different lengths (a chat
+        template's opening, and a word or two more that an earlier prompt happened to
+        share): each length would be a group of its own, each paying a pass. Those
+        within ``REPREFILL_TOKENS`` of the shortest go on from the shortest instead, and
+        prefill their few extra tokens in the shared pass."""
+        text = [m for m in self.members if not m.request.has_media]
+        found = {id(m): m.reusable() for m in text}
+        shortest = min((n for n in found.values() if n > 0), default=0)
+        for member in text:
+            n = found[id(member)]
+            if shortest < n <= shortest + REPREFILL_TOKENS and member.reusable(shortest) == shortest:
+                member.reuse_at_most(shortest)
 
     def _encode_together(self, prepared: list) -> dict[int, object]:
         """Features of members whose images share a tower call, by ``id(member)``.

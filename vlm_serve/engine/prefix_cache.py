@@ -57,28 +57,39 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self._lru.nbytes
 
-    def lookup(self, tokens: list[int]) -> tuple[list | None, int]:
-        """A copy of the cache of the longest stored prefix of ``tokens`` and its length.
-        At least one token is always left to prefill (it gives the first logits)."""
+    def lookup(self, tokens: list[int], at_most: int | None = None) -> tuple[list | None, int]:
+        """A copy of the cache of the longest stored prefix of ``tokens`` (of at most
+        ``at_most`` tokens where given) and its length. At least one token is always
+        left to prefill (it gives the first logits)."""
         self.queried_tokens += len(tokens)
-        key, reused = self._nearest(tokens)
+        key, reused = self._choose(tokens, at_most)
         if key is None:
             return None, 0
-        entry = self._lru._trie.get(_MODEL_KEY, key)
-        cache = copy.deepcopy(entry.prompt_cache)
-        reused = min(reused, len(tokens) - 1)  # the last token gives the first logits
+        cache = copy.deepcopy(self._lru._trie.get(_MODEL_KEY, key).prompt_cache)
         if reused < len(key):
-            if not can_trim_prompt_cache(cache):
-                return None, 0
             trim_prompt_cache(cache, len(key) - reused)
-        if reused <= 0:
-            return None, 0
         # Used now: the entry goes to the back of the eviction order.
         self._lru._lru.remove(_MODEL_KEY, key)
         self._lru._lru.push(_MODEL_KEY, key)
         _compact(cache)
         self.reused_tokens += reused
         return cache, reused
+
+    def reusable(self, tokens: list[int], at_most: int | None = None) -> int:
+        """How many tokens ``lookup`` would reuse, found without copying anything."""
+        return self._choose(tokens, at_most)[1]
+
+    def _choose(self, tokens: list[int], at_most: int | None) -> tuple[list[int] | None, int]:
+        """The stored prompt ``lookup`` starts from and how many of its tokens it reuses."""
+        if at_most is not None:
+            tokens = tokens[:at_most + 1]
+        key, reused = self._nearest(tokens)
+        reused = min(reused, len(tokens) - 1)  # the last token gives the first logits
+        if key is None or reused <= 0:
+            return None, 0
+        if reused < len(key) and not can_trim_prompt_cache(self._lru._trie.get(_MODEL_KEY, key).prompt_cache):
+            return None, 0
+        return key, reused
 
     def _nearest(self, tokens: list[int]) -> tuple[list[int] | None, int]:
         """The stored prompt to start ``tokens`` from, and how many of its tokens they
