@@ -1,7 +1,7 @@
 """How many language-model prefill passes a closed loop of text chats costs, engine only.
 
 CONCURRENCY clients each send text chats (the prompts of ``bench/serve.py``: a unique
-marker, then common words) one after another, REQUESTS in all, each decoded to
+marker, then common words; with --image-size, an image after the text) one after another, REQUESTS in all, each decoded to
 --max-tokens. Every prefill pass is counted with its rows and tokens. On a GPU a pass
 costs the host about as much for one prompt as for seven, so passes per request is
 what a loaded server's prefill costs there; this counts them on any device.
@@ -28,6 +28,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import make_prompt_text  # noqa: E402 - the same prompts as the HTTP benchmark
@@ -68,6 +71,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=256, help="approximate, as bench/serve.py")
+    p.add_argument("--image-size", type=int, default=0,
+                   help="N: each chat also has an NxN image after its text (as bench/serve.py's)")
     p.add_argument("--scheduler", choices=["auto", "gpu"], default="auto",
                    help="auto: the server's defaults on this device")
     p.add_argument("--window", type=int, help="serve a copy with this sliding window")
@@ -100,7 +105,12 @@ def main() -> None:
 
     def request(i: int):
         text, _ = make_prompt_text(rng, args.prompt_tokens)
-        return prepare_prompt(ctx, f"r{i}", render_chat(ctx, [{"role": "user", "content": text}]), params, [])
+        if not args.image_size:
+            return prepare_prompt(ctx, f"r{i}", render_chat(ctx, [{"role": "user", "content": text}]), params, [])
+        pixels = np.random.default_rng([args.seed, i]).integers(0, 256, (args.image_size, args.image_size, 3))
+        content = [{"type": "text", "text": text}, {"type": "image"}]
+        return prepare_prompt(ctx, f"r{i}", render_chat(ctx, [{"role": "user", "content": content}]), params,
+                              [Image.fromarray(pixels.astype(np.uint8))])
 
     passes: list[tuple[int, int]] = []
     count_passes(passes)

@@ -45,11 +45,13 @@ class Case:
     images: list = field(default_factory=list)
     max_tokens: int = 12
     stop: list[str] = field(default_factory=list)
+    text_first: bool = False  # the text before the images in the message
 
 
 def chat_prompt(ctx: PromptContext, case: Case) -> str:
-    parts = [{"type": "image"} for _ in case.images] + [{"type": "text", "text": case.text}]
-    return render_chat(ctx, [{"role": "user", "content": parts}])
+    parts = [{"type": "image"} for _ in case.images]
+    text = [{"type": "text", "text": case.text}]
+    return render_chat(ctx, [{"role": "user", "content": text + parts if case.text_first else parts + text}])
 
 
 class Harness:
@@ -503,6 +505,32 @@ def test_a_burst_from_cached_prefixes_of_different_lengths_shares_its_passes(bur
         assert results[rid]["tokens"] == _oracle_from_ids(burst, ids, 6)
         assert results[rid]["cached"] == shared[0]  # each went on from the shortest prefix
     assert scheduler.shared_prefill_rows >= rows + len(prompts)
+
+
+def test_image_prompts_from_cached_text_of_different_lengths_share_their_passes(burst):
+    """Image prompts whose text comes first find cached prefixes of that text a few
+    tokens apart; they go on from the shortest (never past an image) and share their
+    passes where their family shares image prompts', each with the oracle's tokens."""
+    scheduler = burst.engine.scheduler
+    family = scheduler.family
+    if not (family.prefix_cache and family.image_prefix_cache and family.image_token_ids):
+        pytest.skip("this family keeps no prefixes of image prompts")
+    words = "seven green frogs jumped over the old stone wall".split()
+    stored = Case("img-stored", " ".join(words), [make_image(48, 48, 70)], max_tokens=2, text_first=True)
+    run_jobs(burst.engine, [(burst.prepare(stored, stored.name), None, None)])
+    # The same words, the last ones swapped: as long, sharing 6, 5 and 4 words with it.
+    cases = [Case(f"img-from-{n}", " ".join(words[:n] + words[n:][::-1]), [make_image(48, 48, 71 + n)],
+                  max_tokens=6, text_first=True) for n in (6, 5, 4)]
+    prepared = [burst.prepare(c, c.name) for c in cases]
+    cache = scheduler.prefix_cache
+    shortest = min(cache.reusable(p.input_ids.tolist()) for p in prepared)
+    rows = scheduler.shared_prefill_rows
+    results = run_burst(burst, [(p, None, None) for p in prepared])
+    for case in cases:
+        _assert_matches_oracle(burst, case, results[case.name])
+        assert results[case.name]["cached"] == shortest
+    if family.batch_prefill_images and family.pad_last_prefill:
+        assert scheduler.shared_prefill_rows >= rows + len(cases)
 
 
 def test_burst_shares_the_vision_tower_and_the_cache_still_serves(burst, monkeypatch):

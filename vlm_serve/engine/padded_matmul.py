@@ -18,10 +18,11 @@ the next size at or above the floor; a pass longer than the largest size goes in
 of it. A shape without a floor low enough to pay (``MAX_FLOOR``) stays on the row-exact
 kernel (``cuda_matmul``).
 
-The default on CUDA (``row_exact``). On an H100, against the kernel: a burst of 64
-image requests in 7.2 instead of 20.6 s (mlx-vlm: 9.0 s), 1.2x the tokens/s at 128
-concurrent chats, and about 0.65x for a lone request, whose step pads every layer to 8
-rows and the down projection to 320.
+The default on CUDA (``row_exact``). On an H200, against the kernel: a burst of 64
+image requests in 6.4 instead of 17.7 s (mlx-vlm: 9.2 s), and 0.72x the tokens/s of a
+lone request, whose step pads every layer to 8 rows and the down projection to 320
+(``bench/results/gpu-h200-padded-default``, measured before a step's padded products
+lost their no-op nodes).
 """
 
 from __future__ import annotations

@@ -139,6 +139,15 @@ class Prefill:
             return self.reused
         return self.prefix_cache.reusable(self._key(), at_most)
 
+    @functools.cached_property
+    def leading_text(self) -> int:
+        """How many of the prompt's tokens come before its first image placeholder."""
+        req = self.request
+        if not req.has_media:
+            return len(req.input_ids)
+        images = np.flatnonzero(np.isin(req.input_ids, list(self.family.image_token_ids)))
+        return int(images[0]) if images.size else len(req.input_ids)
+
     def reuse_at_most(self, n: int) -> None:
         """Take at most ``n`` tokens from the prefix cache (before it is looked up): the
         rest is prefilled. A prompt's tokens do not depend on how much of it came from

@@ -26,6 +26,7 @@ end; each set of them is a group of its own.
 from __future__ import annotations
 
 import copy
+import os
 
 import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
@@ -44,8 +45,9 @@ from .prefill import (
 _SPLITTABLE = (vlm_cache.KVCache, vlm_cache.RotatingKVCache)
 
 # Cached tokens a text prompt gives up, to be prefilled again, so as to share its passes
-# with prompts whose cached prefix is shorter (see ``PrefillGroup._align_prefixes``).
-REPREFILL_TOKENS = 16
+# with prompts whose cached prefix is shorter (see ``PrefillGroup._align_prefixes``;
+# VLM_SERVE_REPREFILL_TOKENS=0 turns it off, for comparison).
+REPREFILL_TOKENS = int(os.environ.get("VLM_SERVE_REPREFILL_TOKENS", "16"))
 
 
 class PrefillGroup:
@@ -103,14 +105,15 @@ class PrefillGroup:
         return cost
 
     def _align_prefixes(self) -> None:
-        """Text prompts find cached prefixes of slightly different lengths (a chat
-        template's opening, and a word or two more that an earlier prompt happened to
-        share): each length would be a group of its own, each paying a pass. Those
-        within ``REPREFILL_TOKENS`` of the shortest go on from the shortest instead, and
-        prefill their few extra tokens in the shared pass."""
-        text = [m for m in self.members if not m.request.has_media]
-        found = {id(m): m.reusable() for m in text}
-        shortest = min((n for n in found.values() if n > 0), default=0)
+        """Prompts find cached prefixes of slightly different lengths (a chat template's
+        opening, and a word or two more that an earlier prompt happened to share): each
+        length would be a group of its own, each paying a pass. Those within
+        ``REPREFILL_TOKENS`` of the shortest go on from the shortest instead, and
+        prefill their few extra tokens in the shared pass. Only prefixes of text: one
+        that holds a prompt's images stays whole."""
+        found = {id(m): m.reusable() for m in self.members}
+        text = [m for m in self.members if found[id(m)] <= m.leading_text]
+        shortest = min((found[id(m)] for m in text if found[id(m)] > 0), default=0)
         for member in text:
             n = found[id(member)]
             if shortest < n <= shortest + REPREFILL_TOKENS and member.reusable(shortest) == shortest:
