@@ -1,10 +1,11 @@
-"""How many language-model prefill passes a closed loop of text chats costs, engine only.
+"""How many language-model prefill passes a closed loop of chats costs, engine only.
 
-CONCURRENCY clients each send text chats (the prompts of ``bench/serve.py``: a unique
-marker, then common words; with --image-size, an image after the text) one after another, REQUESTS in all, each decoded to
---max-tokens. Every prefill pass is counted with its rows and tokens. On a GPU a pass
-costs the host about as much for one prompt as for seven, so passes per request is
-what a loaded server's prefill costs there; this counts them on any device.
+CONCURRENCY clients each send chats one after another, REQUESTS in all, each decoded to
+--max-tokens: the prompts of ``bench/serve.py`` (a unique marker, then common words),
+with --image-size an image after the text. Every prefill pass is counted with its rows
+and tokens. On a GPU a pass costs the host about as much for one prompt as for seven,
+so passes per request is what a loaded server's prefill costs there; this counts them
+on any device.
 
 ``--scheduler gpu`` uses the scheduler settings a GPU server runs with (2,048-token
 passes and budget, prompts waiting up to 8 steps to share a pass, bucketed last passes)

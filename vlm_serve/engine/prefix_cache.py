@@ -87,8 +87,9 @@ class PrefixCache:
         reused = min(reused, len(tokens) - 1)  # the last token gives the first logits
         if key is None or reused <= 0:
             return None, 0
-        if reused < len(key) and not can_trim_prompt_cache(self._lru._trie.get(_MODEL_KEY, key).prompt_cache):
-            return None, 0
+        stored = self._lru._trie.get(_MODEL_KEY, key).prompt_cache
+        if reused < len(key) and not can_trim_prompt_cache(stored):
+            return None, 0  # a longer prompt whose window has wrapped cannot be cut back
         return key, reused
 
     def _nearest(self, tokens: list[int]) -> tuple[list[int] | None, int]:
