@@ -37,7 +37,7 @@ def run_rank(config: ServerConfig) -> None:
 
 def follow(config: ServerConfig, member) -> None:
     """Load this rank's shard and run rank 0's turns until it says stop."""
-    from ..server import StartupError, build_engine
+    from ..server import StartupError, build_engine, freeze_startup_objects
 
     # Ctrl-C in a terminal reaches every rank; only rank 0 acts on it (it drains its
     # requests, then stops the group). SIGTERM still ends a follower.
@@ -49,6 +49,7 @@ def follow(config: ServerConfig, member) -> None:
     except StartupError as exc:
         member.channel.closing = True
         sys.exit(f"vlm-serve: rank {member.rank}: error: {exc}")
+    freeze_startup_objects()
     engine.wait()
     member.channel.wait_closed(60)
     member.close()
