@@ -181,7 +181,8 @@ def test_each_request_alone_matches_oracle(harness):
 
 def test_a_slow_turn_is_logged_with_where_it_went(harness, caplog, monkeypatch):
     """A scheduler turn over SLOW_TURN_S is logged with its prefill, join and decode
-    parts (here every turn counts as slow), and serving goes on as before."""
+    parts, and whether the KV store took new arrays (here every turn counts as slow:
+    the lone row's join allocates the emptied store), and serving goes on as before."""
     from vlm_serve.engine import scheduler
 
     monkeypatch.setattr(scheduler, "SLOW_TURN_S", 0.0)
@@ -192,6 +193,9 @@ def test_a_slow_turn_is_logged_with_where_it_went(harness, caplog, monkeypatch):
     _assert_matches_oracle(harness, case, result["slow-turns"])
     turns = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow turn:")]
     assert any("prefill of" in t and "decode of 1 rows" in t for t in turns), turns
+    if harness.engine.scheduler.batch.store is not None:
+        reallocated = [t for t in turns if "the KV store reallocated to 1 slots" in t]
+        assert len(reallocated) == 1, turns
     assert harness.engine.scheduler.stats()["slow_turns"] >= len(turns)
 
 

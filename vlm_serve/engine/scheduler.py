@@ -326,6 +326,8 @@ class Scheduler:
         idle = not (self.waiting or self.prefilling or self.running or self._inflight)
         self._take_inputs(idle)
         started = time.perf_counter()
+        store = self.batch.store
+        reallocations = store.reallocations if store is not None else 0
         self._turns += 1
         self._admit()
         budget, passes = self.config.prefill_token_budget, 0
@@ -342,10 +344,11 @@ class Scheduler:
             self._decode_step()
         self._account()
         tokens = self.config.prefill_token_budget - budget
-        self._note_slow_turn(started, prefilled, joined_at, tokens, passes, joined)
+        reallocated = (store.reallocations if store is not None else 0) - reallocations
+        self._note_slow_turn(started, prefilled, joined_at, tokens, passes, joined, reallocated)
 
     def _note_slow_turn(self, started, prefilled, joined_at, tokens: int, passes: int,
-                        joined: int) -> None:
+                        joined: int, reallocated: int) -> None:
         """Log a turn that held the running streams up for long, with where it went."""
         now = time.perf_counter()
         if now - started < SLOW_TURN_S:
@@ -356,12 +359,13 @@ class Scheduler:
         store = self.batch.store
         log.info(
             "slow turn: %.0f ms (admission and prefill of %d tokens in %d steps %.0f ms, "
-            "%d rows joining %.0f ms, decode of %d rows in %d slots %.0f ms); %d slow turns "
-            "in all",
+            "%d rows joining %.0f ms, decode of %d rows in %d slots %.0f ms%s); %d slow "
+            "turns in all",
             1000 * (now - started), tokens, passes, 1000 * (prefilled - started), joined,
             1000 * (joined_at - prefilled), len(self.running),
             store.slots if store is not None else len(self.running), 1000 * (now - joined_at),
-            self.slow_turns,
+            f", the KV store reallocated to {store.slots} slots of {format_bytes(store.nbytes)}"
+            if reallocated else "", self.slow_turns,
         )
         self._slow_turn_logged = now
 

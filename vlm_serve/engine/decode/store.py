@@ -112,6 +112,7 @@ class SlotStore:
         # window), the one the row's own rotating cache goes on with. Before the ring
         # is full, r is 0 (the cache then holds position p at index p).
         self.rotations: list[dict[int, int]] = []
+        self.reallocations = 0  # times the store took new arrays (a slow turn's log counts them)
 
     # -- shape -------------------------------------------------------------------------
 
@@ -144,6 +145,7 @@ class SlotStore:
         where = self.slot_order() if shrink else None  # None: rows already in [0, rows)
         compact = where is not None
         keys, values = [], []
+        fresh = False  # whether any layer took new arrays
         for i, kind in enumerate(self.layer_kinds):
             columns = self._columns(kind, needed_columns)
             old = self.keys[i] if self.keys is not None else None
@@ -156,6 +158,7 @@ class SlotStore:
             kv_heads, head_dim = self._dims(kind)
             shape = (slots, kv_heads, columns, head_dim)
             k, v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+            fresh = True
             if old is not None and self.rows:
                 c = min(columns, old.shape[2])
                 if compact:
@@ -168,6 +171,7 @@ class SlotStore:
                     v[:n, :, :c] = self.values[i][:n, :, :c]
             keys.append(k)
             values.append(v)
+        self.reallocations += fresh
         self.keys, self.values = keys, values
         if compact:
             self.slot_of = list(range(self.rows))
