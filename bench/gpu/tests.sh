@@ -4,21 +4,22 @@
 # variant on first use, 5-10 s apiece, on as many cores):
 #   PART="attention matmul" OUT=DIR bash bench/gpu/tests.sh
 # Parts: attention, matmul (the kernels' own tests), shared (long prompts in shared
-# passes), families (every family batched against alone), steps (the engine decode
+# passes), families (every family batched against alone, but for shared's cases: give
+# it shared beside it), steps (the engine decode
 # steps: Gemma 4, GLM-4V, Ministral 3, the compile limit), checks (routing, the row-exact
 # install, Gemma 3's prefill, the quantized check), q4 (4-bit with float32 activations,
 # Gemma 3), parity (the whole parity suite). Each stops itself LIMIT seconds in (default
 # 540, with SIGINT, so pytest still prints what passed and failed) and keeps its output
 # in $OUT/PART.txt. On an H200 (this file's default parts): attention 7 min, families 7,
-# parity 3, steps 3, checks 2. On an H100, with parity and steps beside it, families
-# reached LIMIT=500 six tests short of its end: give it LIMIT=600, or run shared apart.
+# parity 3, steps 3, checks 2. On an H100, with parity, steps and checks beside it,
+# families (then with shared's cases) reached LIMIT=545 six tests short of its end.
 # MLX keeps the kernels it compiles in MLX_PTX_CACHE_DIR (default $TMPDIR/mlx/VERSION/ptx);
 # with CACHE=DIR it uses DIR, and at the end the cache is copied to $OUT/ptx for a later
 # machine to start from (kernels are cached by their name and source, so a changed kernel
 # compiles again).
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-tests}
-PART=${PART:-attention families parity steps}
+PART=${PART:-attention families shared parity steps}
 LIMIT=${LIMIT:-540}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
@@ -29,11 +30,11 @@ tests_of() {
     attention) echo tests/test_cuda_attention.py ;;
     matmul) echo tests/test_cuda_matmul.py ;;
     shared) echo tests/test_families.py -k long_prompts_in_shared ;;
-    families) echo tests/test_families.py ;;
+    families) echo tests/test_families.py -k '"not long_prompts_in_shared"' ;;
     steps) echo tests/test_gemma4_step.py tests/test_glm4v_step.py tests/test_ministral3.py tests/test_step_compile.py ;;
     checks) echo tests/test_row_exact.py tests/test_model_attention.py tests/test_gemma3_prefill.py \
               tests/test_quantized_check.py ;;
-    q4) echo tests/test_families.py -k "q4 and gemma3" ;;
+    q4) echo tests/test_families.py -k '"q4 and gemma3"' ;;
     parity) echo tests/test_parity.py ;;
     *) echo "unknown part: $1" >&2; return 1 ;;
   esac
