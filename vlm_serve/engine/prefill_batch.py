@@ -44,8 +44,8 @@ from .prefill import (
 # Layer caches whose rows can be sliced apart: the single-request caches a prompt gets.
 _SPLITTABLE = (vlm_cache.KVCache, vlm_cache.RotatingKVCache)
 
-# Cached tokens a text prompt gives up, to be prefilled again, so as to share its passes
-# with prompts whose cached prefix is shorter (see ``PrefillGroup._align_prefixes``;
+# Cached tokens a prompt gives up, to be prefilled again, so as to share its passes with
+# prompts whose cached prefix is shorter (see ``PrefillGroup._align_prefixes``;
 # VLM_SERVE_REPREFILL_TOKENS=0 turns it off, for comparison).
 REPREFILL_TOKENS = int(os.environ.get("VLM_SERVE_REPREFILL_TOKENS", "16"))
 
