@@ -140,13 +140,18 @@ class Prefill:
         return self.prefix_cache.reusable(self._key(), at_most)
 
     @functools.cached_property
-    def leading_text(self) -> int:
-        """How many of the prompt's tokens come before its first image placeholder."""
+    def _image_positions(self) -> np.ndarray:
+        """Where the prompt's image placeholders are (none for a text prompt)."""
         req = self.request
         if not req.has_media:
-            return len(req.input_ids)
-        images = np.flatnonzero(np.isin(req.input_ids, list(self.family.image_token_ids)))
-        return int(images[0]) if images.size else len(req.input_ids)
+            return np.zeros(0, np.int64)
+        return np.flatnonzero(np.isin(req.input_ids, list(self.family.image_token_ids)))
+
+    @property
+    def leading_text(self) -> int:
+        """How many of the prompt's tokens come before its first image placeholder."""
+        images = self._image_positions
+        return int(images[0]) if images.size else len(self.request.input_ids)
 
     def reuse_at_most(self, n: int) -> None:
         """Take at most ``n`` tokens from the prefix cache (before it is looked up): the
@@ -162,7 +167,7 @@ class Prefill:
         if not (req.has_media and self.family.text_after_cached_images):
             return False
         _, reused = self._look_up()
-        images = np.flatnonzero(np.isin(req.input_ids, list(self.family.image_token_ids)))
+        images = self._image_positions
         return reused > 0 and images.size > 0 and images[-1] < reused
 
     def remember(self) -> None:

@@ -62,10 +62,10 @@ class PrefixCache:
         ``at_most`` tokens where given) and its length. At least one token is always
         left to prefill (it gives the first logits)."""
         self.queried_tokens += len(tokens)
-        key, reused = self._choose(tokens, at_most)
+        key, stored, reused = self._choose(tokens, at_most)
         if key is None:
             return None, 0
-        cache = copy.deepcopy(self._lru._trie.get(_MODEL_KEY, key).prompt_cache)
+        cache = copy.deepcopy(stored)
         if reused < len(key):
             trim_prompt_cache(cache, len(key) - reused)
         # Used now: the entry goes to the back of the eviction order.
@@ -77,20 +77,21 @@ class PrefixCache:
 
     def reusable(self, tokens: list[int], at_most: int | None = None) -> int:
         """How many tokens ``lookup`` would reuse, found without copying anything."""
-        return self._choose(tokens, at_most)[1]
+        return self._choose(tokens, at_most)[2]
 
-    def _choose(self, tokens: list[int], at_most: int | None) -> tuple[list[int] | None, int]:
-        """The stored prompt ``lookup`` starts from and how many of its tokens it reuses."""
+    def _choose(self, tokens: list[int], at_most: int | None) -> tuple[list[int] | None, list | None, int]:
+        """The stored prompt ``lookup`` starts from, its cache (not a copy) and how many
+        of its tokens it reuses."""
         if at_most is not None:
             tokens = tokens[:at_most + 1]
         key, reused = self._nearest(tokens)
         reused = min(reused, len(tokens) - 1)  # the last token gives the first logits
         if key is None or reused <= 0:
-            return None, 0
+            return None, None, 0
         stored = self._lru._trie.get(_MODEL_KEY, key).prompt_cache
         if reused < len(key) and not can_trim_prompt_cache(stored):
-            return None, 0  # a longer prompt whose window has wrapped cannot be cut back
-        return key, reused
+            return None, None, 0  # a longer prompt whose window has wrapped cannot be cut back
+        return key, stored, reused
 
     def _nearest(self, tokens: list[int]) -> tuple[list[int] | None, int]:
         """The stored prompt to start ``tokens`` from, and how many of its tokens they
