@@ -199,6 +199,29 @@ def test_a_slow_turn_is_logged_with_where_it_went(harness, caplog, monkeypatch):
     assert harness.engine.scheduler.stats()["slow_turns"] >= len(turns)
 
 
+def test_the_stats_line_says_where_decode_turns_went(harness, caplog, monkeypatch):
+    """The periodic engine line splits decode turns into building the step, queueing
+    it, waiting for the one before, and the rows' bookkeeping: parts of the turn."""
+    import re
+
+    monkeypatch.setattr(harness.engine.scheduler.config, "stats_interval_s", 0.0)
+    cases = _cases()[:2]
+    with caplog.at_level("INFO", logger="vlm_serve.engine"):
+        results = run_jobs(harness.engine, [(harness.prepare(c, f"times-{c.name}"), None, None) for c in cases])
+    for case in cases:
+        _assert_matches_oracle(harness, case, results[f"times-{case.name}"])
+    pattern = re.compile(r"(\d+) decode turns of (\d+) rows, ([\d.]+) ms a turn: build ([\d.]+), "
+                         r"queue ([\d.]+), wait ([\d.]+), rows ([\d.]+), other (-?[\d.]+) ms")
+    lines = [m for r in caplog.records if (m := pattern.search(r.getMessage()))]
+    assert lines, [r.getMessage() for r in caplog.records]
+    assert any(float(m.group(2)) >= 1 for m in lines)  # turns that decoded rows
+    for m in lines:
+        turns, rows, turn, *parts, other = (float(g) for g in m.groups())
+        assert turns >= 1 and 0 <= rows <= len(cases)
+        assert all(p >= 0 for p in parts) and other >= -0.05  # printed to a tenth of a ms
+        assert abs(turn - sum(parts) - other) < 0.3
+
+
 def test_mixed_batch_matches_oracle(harness):
     cases = _cases()
     jobs = [(harness.prepare(c, c.name), None, None) for c in cases]

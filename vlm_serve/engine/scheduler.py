@@ -36,6 +36,7 @@ from .prefill import Prefill, cache_key, prefix_cacheable
 from .prefill_batch import PrefillGroup
 from .prefix_cache import PrefixCache
 from .sampling import BatchSampler, top_logprobs
+from .turn_times import DecodeTimes
 from .types import FinishReason, GenerationEvent, PreparedRequest, TokenLogprob
 
 log = logging.getLogger("vlm_serve.engine")
@@ -171,6 +172,7 @@ class Scheduler:
         # requests that phase is about to touch.
         self.fault_hook: Callable[[str, list[RequestState]], None] | None = None
         self._stats = {"generated": 0, "since": time.monotonic()}
+        self.decode_times = DecodeTimes()  # where decode turns went, for the stats line
         self.waiting_rows = 0  # requests waiting or in prefill (copies included)
         self.kv_cache_bytes = 0  # held by the batch
         self.kv_memory_used = 0  # held by the batch, prefills and cached prefixes
@@ -319,6 +321,7 @@ class Scheduler:
         finally:
             self.publish = publish
             self._quiet = False
+            self.decode_times.reset()  # the stats line shows served turns only
         if errors:
             raise RuntimeError("; ".join(errors))
 
@@ -341,7 +344,9 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
         joined_at = time.perf_counter()
         if self.running or self._inflight:
+            rows = len(self.running)
             self._decode_step()
+            self.decode_times.turn(time.perf_counter() - started, rows)
         self._account()
         tokens = self.config.prefill_token_budget - budget
         reallocated = (store.reallocations if store is not None else 0) - reallocations
@@ -701,13 +706,20 @@ class Scheduler:
         states = list(self.running)
         if self.fault_hook:
             self.fault_hook("decode", states)
+        times = self.decode_times
+        since = time.perf_counter()
         out = self.batch.step(allowed_tokens([s.matcher for s in states], self.vocab_size))
         extras = self._logprob_arrays(out, states)
+        since = times.add("build", since)
         mx.async_eval(out.tokens, *extras)
+        times.add("queue", since)
         return Step(out, states, extras)
 
     def _process(self, step: "Step") -> None:
+        times = self.decode_times
+        since = time.perf_counter()
         tokens, logprobs = self._read(step.out, step.states, step.extras)
+        since = times.add("wait", since)
         finished = []
         for i, state in enumerate(step.states):
             if state.done:
@@ -719,6 +731,7 @@ class Scheduler:
             self._keep_answers(finished)
             self._drop(finished)
         self.kv_cache_bytes = self.batch.nbytes
+        times.add("rows", since)
 
     def _drop(self, states: list[RequestState]) -> None:
         gone = {id(s) for s in states}
@@ -887,13 +900,15 @@ class Scheduler:
         if self.running or self.waiting or self.prefilling or self._stats["generated"]:
             log.info(
                 "engine: running=%d prefilling=%d waiting=%d generation=%.1f tokens/s "
-                "kv_memory=%s reserved=%s limit=%s prefix_cache=%d entries %s",
+                "kv_memory=%s reserved=%s limit=%s prefix_cache=%d entries %s; %s",
                 len(self.running), len(self.prefilling), len(self.waiting),
                 self._stats["generated"] / elapsed, format_bytes(self.kv_memory_used),
                 format_bytes(self.kv_memory_reserved), format_bytes(self.memory.limit),
                 len(self.prefix_cache) if self.prefix_cache is not None else 0, mlx_memory(),
+                self.decode_times.describe(),
             )
         self._stats = {"generated": 0, "since": now}
+        self.decode_times.reset()
 
 
 def _slot_count(batch) -> Callable[[int], int]:
