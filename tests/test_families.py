@@ -443,14 +443,18 @@ def _serves_a_chat(engine, grammar: str | None = None) -> None:
     assert run_jobs(engine, [(prepared, None, None)])["after"]["error"] is None
 
 
-def test_warm_up_runs_text_and_image_before_ready(caplog):
+def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     """--warmup: text, image, sampled and prefix-reusing requests run once at startup,
     then a batch of every slot bucket up to --max-num-seqs, and the engine serves
-    normally after."""
+    normally after. Its turns are not counted or logged as slow turns (here every turn
+    is slow), the requests served after it are."""
     import logging
 
+    from vlm_serve.engine import scheduler
     from vlm_serve.engine.scheduler import SchedulerConfig as Config
 
+    monkeypatch.setattr(scheduler, "SLOW_TURN_S", 0.0)
+    monkeypatch.setattr(scheduler, "SLOW_TURN_LOG_S", 0.0)
     caplog.set_level(logging.INFO, logger="vlm_serve.engine")
     engine = Engine(str(cached_model("qwen2_5_vl")), Config(max_num_seqs=12), warm=True)
     engine.start()
@@ -460,7 +464,10 @@ def test_warm_up_runs_text_and_image_before_ready(caplog):
                              r.getMessage()) for r in caplog.records)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
+        assert engine.scheduler.slow_turns == 0
+        assert not any(r.getMessage().startswith("slow turn:") for r in caplog.records)
         _serves_a_chat(engine)
+        assert engine.scheduler.slow_turns > 0
     finally:
         engine.shutdown()
 

@@ -201,7 +201,8 @@ def test_a_slow_turn_is_logged_with_where_it_went(harness, caplog, monkeypatch):
 
 def test_the_stats_line_says_where_decode_turns_went(harness, caplog, monkeypatch):
     """The periodic engine line splits decode turns into building the step, queueing
-    it, waiting for the one before, and the rows' bookkeeping: parts of the turn."""
+    it, waiting for the one before, the rows' bookkeeping and finished rows leaving:
+    parts of the turn."""
     import re
 
     monkeypatch.setattr(harness.engine.scheduler.config, "stats_interval_s", 0.0)
@@ -211,7 +212,7 @@ def test_the_stats_line_says_where_decode_turns_went(harness, caplog, monkeypatc
     for case in cases:
         _assert_matches_oracle(harness, case, results[f"times-{case.name}"])
     pattern = re.compile(r"(\d+) decode turns of (\d+) rows, ([\d.]+) ms a turn: build ([\d.]+), "
-                         r"queue ([\d.]+), wait ([\d.]+), rows ([\d.]+), other (-?[\d.]+) ms")
+                         r"queue ([\d.]+), wait ([\d.]+), rows ([\d.]+), leave ([\d.]+), other (-?[\d.]+) ms")
     lines = [m for r in caplog.records if (m := pattern.search(r.getMessage()))]
     assert lines, [r.getMessage() for r in caplog.records]
     assert any(float(m.group(2)) >= 1 for m in lines)  # turns that decoded rows

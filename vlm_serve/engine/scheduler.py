@@ -356,8 +356,8 @@ class Scheduler:
                         joined: int, reallocated: int) -> None:
         """Log a turn that held the running streams up for long, with where it went."""
         now = time.perf_counter()
-        if now - started < SLOW_TURN_S:
-            return
+        if now - started < SLOW_TURN_S or self._quiet:
+            return  # the warm-up's turns compile kernels first: its own line says how long
         self.slow_turns += 1
         if now - self._slow_turn_logged < SLOW_TURN_LOG_S:
             return
@@ -727,11 +727,12 @@ class Scheduler:
             if self._accept(state, tokens[i], logprobs[i]):
                 finished.append(state)
         self._stats["generated"] += len(step.states)
+        since = times.add("rows", since)
         if finished:
             self._keep_answers(finished)
             self._drop(finished)
+            times.add("leave", since)
         self.kv_cache_bytes = self.batch.nbytes
-        times.add("rows", since)
 
     def _drop(self, states: list[RequestState]) -> None:
         gone = {id(s) for s in states}

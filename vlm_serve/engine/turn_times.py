@@ -1,18 +1,19 @@
 """Where the worker's decode turns spend their host time, for the periodic stats line.
 
 A decode step is paid on the host: building its graph, queueing its kernels
-(``mx.async_eval``), waiting for the step before it to be read back, and each row's
-bookkeeping (detokenizing, stop checks, events). Summed between two stats lines, the
-parts say which of them sets the pace when the device is not the limit. Waiting also
-takes in getting Python's interpreter lock back from the event loop, which streams the
-tokens to the clients meanwhile.
+(``mx.async_eval``), waiting for the step before it to be read back, each row's
+bookkeeping (detokenizing, stop checks, events), and the finished rows' leaving (their
+KV copied out for the prefix cache, the store's rows moved). Summed between two stats
+lines, the parts say which of them sets the pace when the device is not the limit.
+Queueing and waiting give up Python's interpreter lock, so both also take in getting it
+back from the event loop, which streams the tokens to the clients meanwhile.
 """
 
 from __future__ import annotations
 
 import time
 
-PARTS = ("build", "queue", "wait", "rows")
+PARTS = ("build", "queue", "wait", "rows", "leave")
 
 
 class DecodeTimes:
