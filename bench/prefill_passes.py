@@ -13,7 +13,9 @@ wherever this runs. ``--window N`` serves a copy of the model whose sliding wind
 tokens (the tiny fixtures' window of 32 keeps ~270-token prompts from sharing padded
 passes; Gemma 3's is 1,024). ``--reprefill-tokens`` sets
 ``prefill_batch.REPREFILL_TOKENS`` (0: prompts share passes only from cached prefixes
-of one length).
+of one length). The result also gives where the decode turns went (the engine's
+``DecodeTimes`` over the whole run): beside a server's under the same load, the
+difference is what serving HTTP costs the worker.
 
     python bench/prefill_passes.py --model DIR --scheduler gpu --window 1024
 """
@@ -94,8 +96,11 @@ def main() -> None:
         prefill_batch.REPREFILL_TOKENS = args.reprefill_tokens
     gpu = args.scheduler == "gpu" or on_gpu()
     budget = 2048 if gpu else default_prefill_budget()
+    # No periodic stats line: its reset would leave the decode turns' parts of the last
+    # window only; the result reports them for the whole run.
     config = SchedulerConfig(max_num_seqs=args.concurrency, prefill_step_size=budget, prefill_token_budget=budget,
-                             prefill_wait_steps=8 if gpu else default_prefill_wait(), bucket_last_passes=gpu)
+                             prefill_wait_steps=8 if gpu else default_prefill_wait(), bucket_last_passes=gpu,
+                             stats_interval_s=float("inf"))
     model = with_window(args.model, args.window) if args.window else args.model
     engine = Engine(model, config)
     engine.start()
@@ -137,6 +142,7 @@ def main() -> None:
     asyncio.run(loop())
     wall = time.perf_counter() - start
     stats = engine.scheduler.prefix_cache
+    decode_turns = engine.scheduler.decode_times.describe()
     engine.shutdown()
     rows = sum(r for r, _ in passes)
     result = {
@@ -149,6 +155,7 @@ def main() -> None:
         "reused_tokens_per_request": round(stats.reused_tokens / args.requests, 1) if stats else None,
         "wall_s": round(wall, 2), "output_tok_s": round(args.requests * args.max_tokens / wall, 1),
         "ttft_mean_ms": round(1000 * sum(ttfts) / len(ttfts), 1),
+        "decode_turns": decode_turns,
     }
     print(json.dumps(result, indent=2))
     if args.result_json:
