@@ -220,7 +220,7 @@ def test_the_stats_line_says_where_decode_turns_went(harness, caplog, monkeypatc
         turns, rows, turn, *parts, other = (float(g) for g in m.groups())
         assert turns >= 1 and 0 <= rows <= len(cases)
         assert all(p >= 0 for p in parts) and other >= -0.05  # printed to a tenth of a ms
-        assert abs(turn - sum(parts) - other) < 0.3
+        assert abs(turn - sum(parts) - other) < 0.4  # seven numbers rounded to 0.1
 
 
 def test_mixed_batch_matches_oracle(harness):
