@@ -5,14 +5,15 @@ tokens equal mlx-vlm's single-request tokens). Any other model type is served on
 at a time, which is correct by construction, and the server says so at startup. On
 CUDA a batched family also needs every linear layer of its language model on the
 row-exact matmul (``row_exact``) and the engine's own decode step; a model without
-either is served one row at a time too.
+either is served one row at a time too. So is one on a CPU whose preloaded BLAS gives
+a row other bits batched than alone (``cpu_blas``).
 """
 
 from __future__ import annotations
 
 import logging
 
-from .. import row_exact
+from .. import cpu_blas, row_exact
 from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
@@ -68,6 +69,12 @@ def family_for(
                               reason=family.model_code_inexact)
     if family.batched and row_exact.applies():
         family = _row_exact(family, vision_cache_size, vision_cache_bytes)
+    elif family.batched:
+        # ... and on a CPU whose BLAS is not the one MLX bundles, where a check at load
+        # finds a row's bits following the row count.
+        reason = cpu_blas.inexact_reason(model.language_model)
+        if reason:
+            family = SerialFamily(model, vision_cache_size, vision_cache_bytes, reason=reason)
     # ... and so too where the step does not build (built here, after the row-exact
     # matmul went into the layers it fuses).
     if family.batched and family.model_code_inexact and family.decoder() is None:
