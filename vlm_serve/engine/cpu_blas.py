@@ -24,8 +24,9 @@ import mlx.nn as nn
 
 log = logging.getLogger("vlm_serve.engine")
 
-# Rows a check multiplies together: decode batches and shared prefill passes.
-CHECK_ROWS = (2, 3, 8, 16, 33, 64, 128)
+# Rows a check multiplies together: decode batches, and prefill passes (512 tokens a
+# pass by default on the CPU, shared by the prompts in it).
+CHECK_ROWS = (2, 3, 8, 16, 33, 64, 128, 512)
 # Output features a check keeps of a layer: all of a linear layer's, at most this many of
 # a vocabulary's table (a dot product's terms run over the input features, kept whole).
 CHECK_OUT_FEATURES = 32768
