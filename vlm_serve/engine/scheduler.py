@@ -343,14 +343,16 @@ class Scheduler:
         self._ready = []
         self.peak_running = max(self.peak_running, len(self.running))
         joined_at = time.perf_counter()
-        if self.running or self._inflight:
+        decoded = bool(self.running or self._inflight)
+        if decoded:
             rows = len(self.running)
             self._decode_step()
             self.decode_times.turn(time.perf_counter() - started, rows)
         self._account()
         tokens = self.config.prefill_token_budget - budget
         reallocated = (store.reallocations if store is not None else 0) - reallocations
-        self._note_slow_turn(started, prefilled, joined_at, tokens, passes, joined, reallocated)
+        if passes or joined or decoded:  # an idle turn holds no one up
+            self._note_slow_turn(started, prefilled, joined_at, tokens, passes, joined, reallocated)
 
     def _note_slow_turn(self, started, prefilled, joined_at, tokens: int, passes: int,
                         joined: int, reallocated: int) -> None:
