@@ -5,7 +5,10 @@
 # then vlm-serve under closed-loop load at SWEEP, the settings alternating ROUNDS times.
 # LOADS picks the server's loads (default "text image": run.sh's text chats of ~256
 # tokens, and its image requests). Results go to $OUT; a summary to $OUT/summary.txt.
-#   OUT=DIR [SWEEP=128] [ROUNDS=2] [LOADS="text image"] bash bench/gpu/reprefill_ab.sh [preset]
+# PARTS picks "passes", "server" or both (the default): on a fresh machine, where every
+# kernel compiles on first use, the whole does not fit one 10-minute call (an H200's
+# first call ran out in the server part, gpu-h200-prefix-alignment).
+#   OUT=DIR [SWEEP=128] [ROUNDS=2] [LOADS="text image"] [PARTS=passes] bash bench/gpu/reprefill_ab.sh [preset]
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -15,7 +18,9 @@ export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
 
-for r in 0 16; do
+has_part() { [[ " ${PARTS:-passes server} " == *" $1 "* ]]; }
+
+has_part passes && for r in 0 16; do
   for image in 0 896; do
     python3 bench/prefill_passes.py --model "$MODEL" --concurrency 64 --requests 256 --max-tokens 32 \
         --prompt-tokens 95 --image-size $image --reprefill-tokens $r \
@@ -23,7 +28,7 @@ for r in 0 16; do
   done
 done
 
-for round in $(seq "${ROUNDS:-2}"); do
+has_part server && for round in $(seq "${ROUNDS:-2}"); do
   for r in 0 16; do
     for load in ${LOADS:-text image}; do
       VLM_SERVE_REPREFILL_TOKENS=$r SERVERS=vlm-serve SWEEP=${SWEEP:-128} LOAD=$load TEXT_WORDS=95 \
