@@ -61,7 +61,7 @@ def test_json_object_mode_starts_an_object(server):
         assert isinstance(json.loads(content), dict)
 
 
-def test_constrained_row_beside_unconstrained_rows_in_one_batch(harness):
+def test_constrained_row_beside_unconstrained_rows_in_one_batch(harness):  # noqa: F811 - the fixture
     """Unconstrained rows keep the oracle's tokens while a grammar row runs beside them
     (the batch then reads every step back before queuing the next)."""
     cases = _cases()[:4]

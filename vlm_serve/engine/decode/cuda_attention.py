@@ -51,7 +51,7 @@ import math
 
 import mlx.core as mx
 
-from ...mlx_runtime import cuda_available as available  # where these kernels run
+from ...mlx_runtime import cuda_available as available  # noqa: F401 - this module's API: where these kernels run
 from ...mlx_runtime import kernel_constant
 
 CHUNK = 256  # columns per block of pass 1
