@@ -7,7 +7,7 @@ rows equal rows alone on it. A faster BLAS in its place (preloaded with
 ``LD_PRELOAD=.../libopenblas.so.0``, or linked by an MLX built from source; OpenBLAS
 multiplied 64x2560 by 2560x4096 in float32 in 9.5 ms against the reference's 557 ms
 on a 2-core CPU) chooses its kernels by the matrices' shapes, and some of them split a
-dot product by the row count: OpenBLAS does on the tiny test models' shapes. So where
+dot product by the row count: OpenBLAS does on a tiny test model's output table. So where
 another BLAS serves ``sgemm_``, the model's float32 product shapes are checked once at
 load, rows multiplied in batches of the sizes a server runs against the same rows
 alone, and a model whose rows differ is served one row at a time.
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .weight_layout import for_matmul
 
 log = logging.getLogger("vlm_serve.engine")
 
@@ -90,7 +92,7 @@ def _product_shapes(language_model: nn.Module) -> set[tuple[tuple[int, int], mx.
         if type(module) in (nn.Linear, nn.Embedding):
             shapes.add((tuple(module.weight.shape), module.weight.dtype))
         for names in FUSED:
-            parts = [module.get(name) if isinstance(module, dict) else None for name in names]
+            parts = [module.get(name) for name in names]
             if all(type(p) is nn.Linear for p in parts):
                 out_features = sum(p.weight.shape[0] for p in parts)
                 shapes.add(((out_features, parts[0].weight.shape[1]), parts[0].weight.dtype))
@@ -98,10 +100,12 @@ def _product_shapes(language_model: nn.Module) -> set[tuple[tuple[int, int], mx.
 
 
 def _keeps_row_bits(shape: tuple[int, int], dtype: mx.Dtype) -> bool:
-    """Whether rows of ``x @ W.T`` get the same bits at every CHECK_ROWS count as alone."""
+    """Whether rows of ``x @ W.T`` get the same bits at every CHECK_ROWS count as alone,
+    with ``W`` laid out as the model's weights are (``weight_layout``): the BLAS is
+    called as the model calls it."""
     out_features, in_features = shape
     key = mx.random.key(0)
-    w = mx.random.normal((min(out_features, CHECK_OUT_FEATURES), in_features), key=key).astype(dtype)
+    w = for_matmul(mx.random.normal((min(out_features, CHECK_OUT_FEATURES), in_features), key=key).astype(dtype))
     x = mx.random.normal((max(CHECK_ROWS), in_features), key=mx.random.split(key)[0]).astype(dtype)
     for rows in CHECK_ROWS:
         picked = sorted({0, rows // 2, rows - 1})
