@@ -131,24 +131,32 @@ class PrefillGroup:
                 key = (tuple(pixels.shape[1:]), str(pixels.dtype))
                 buckets.setdefault(key, []).append((member, inputs))
         out = {}
-        for bucket in buckets.values():
-            if len(bucket) < 2:
-                continue
+        for call in (c for bucket in buckets.values() for c in self._tower_calls(bucket)):
             per_request = [{k: v for k, v in inputs.items() if k != "attention_mask"}
-                           for _, inputs in bucket]
+                           for _, inputs in call]
             stacked = self.family.stack_image_inputs(per_request)
             if stacked is None:
                 continue
-            first_ids = bucket[0][0].input_ids
+            first_ids = call[0][0].input_ids
             encoded = self.family.encode_images(first_ids, stacked["pixel_values"], stacked)
             if encoded is None:
                 continue
-            self.shared_towers += len(bucket)
-            for (member, _), features in zip(bucket, self.family.split_image_features(encoded, per_request)):
+            self.shared_towers += len(call)
+            for (member, _), features in zip(call, self.family.split_image_features(encoded, per_request)):
                 out[id(member)] = features
                 if member.request.image_digests:
                     self.family.vision_cache.put(member.request.image_digests, features)
         return out
+
+    def _tower_calls(self, bucket: list) -> list[list]:
+        """The shared tower calls of a bucket of (member, inputs) whose images have one
+        shape: the whole bucket, or on CUDA calls of checked sizes (``tower_sharing``)."""
+        if len(bucket) < 2:
+            return []
+        sharing = self.family.tower_sharing
+        if sharing is None:
+            return [bucket]
+        return [[bucket[i] for i in call] for call in sharing.calls([inputs for _, inputs in bucket])]
 
     # -- the language model -------------------------------------------------------------
 

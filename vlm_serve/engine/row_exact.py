@@ -10,9 +10,9 @@ kernel by the number of rows (``cuda_matmul``). So on CUDA, once at load:
   fused.StepLinear``);
 - the attention of mlx-vlm's language model code (every family's prefill but Gemma
   3's, which has its own) runs on the engine's attention kernel (``model_attention``);
-- each request's images go through the vision tower in a call of their own, not
-  stacked with other requests' (the tower's convolutions and matmuls choose their
-  kernels by batch too);
+- requests' images share vision-tower calls only of sizes checked at first use to
+  keep each image's bits (``tower_sharing``; the tower's convolutions and matmuls
+  choose their kernels by batch too), else each request's go in a call of their own;
 - a model with a linear layer the row-exact kernel cannot take (another quantization
   format, a layer class of its own) is served one row at a time, and says so.
 

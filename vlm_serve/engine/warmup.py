@@ -14,6 +14,8 @@ batch). At startup instead:
   host 21-31 ms of per-shape setup on an H100, which turn 2 of a chat would pay;
 - a prompt longer than a prefill pass and than any sliding window: several passes, and
   a window that rotates;
+- where images share vision-tower calls only of sizes checked to keep each image's
+  bits (on CUDA), the check for the warm-up image's shape: every call size runs once;
 - for every number of slots the batch can reach up to ``--max-num-seqs``, one prompt
   decoded as that many rows (copies sharing its prefill): each batch shape costs a
   trace of the compiled step and the kernels built for it (the first 32-row step of a
@@ -72,6 +74,7 @@ def _warm_up(loaded, scheduler) -> None:
         except Exception as exc:  # noqa: BLE001 - warm-up must never keep the server down
             log.warning("warm-up: no image request (%s)", exc)
     scheduler.run_to_completion(together)
+    _check_tower_sharing(scheduler.family, together[-1])
     # Starts from the first prompt's cached prefix (where the family keeps prefixes).
     scheduler.run_to_completion([text("warm-up-continued", _TEXT + " Then say why.", greedy)])
     passes = _padded_passes(loaded, scheduler, together[0])
@@ -90,6 +93,15 @@ def _warm_up(loaded, scheduler) -> None:
     # Its shapes (the long prompt, a batch of every slot bucket) are not what serving
     # starts with: their freed buffers go back to the device, not into MLX's cache.
     mx.clear_cache()
+
+
+def _check_tower_sharing(family, image_request: PreparedRequest) -> None:
+    """Where images share tower calls only of checked sizes (on CUDA), check them now
+    for the warm-up image's shape (the processor's usual one), so that no burst waits
+    for it and every call size has run once."""
+    pixels = image_request.model_inputs.get("pixel_values")
+    if family.tower_sharing is not None and isinstance(pixels, np.ndarray) and pixels.shape[0] == 1:
+        family.tower_sharing.sizes(mx.array(pixels))
 
 
 def _padded_passes(loaded, scheduler, base: PreparedRequest) -> list[int]:

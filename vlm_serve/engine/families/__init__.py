@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from .. import cpu_blas, row_exact
+from ..tower_sharing import TowerSharing
 from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
@@ -86,8 +87,9 @@ def family_for(
 
 
 def _row_exact(family: Family, vision_cache_size: int, vision_cache_bytes: int) -> Family:
-    """``family`` with the row-exact matmul installed, its requests' images each in a
-    tower call of their own; or one row at a time where a layer cannot take it, or
+    """``family`` with the row-exact matmul installed, its requests' images in tower
+    calls of checked sizes (``tower_sharing``) or each in a call of their own; or one
+    row at a time where a layer cannot take it, or
     where the model has no engine decode step (the model code's batched decode attends
     over left-padded caches with MLX's attention, whose sums follow the padded length),
     or one not yet seen exact on CUDA."""
@@ -103,9 +105,13 @@ def _row_exact(family: Family, vision_cache_size: int, vision_cache_bytes: int) 
         reason = f"on CUDA, batched rows of {type(decoder).__name__} have differed from the same rows alone"
     if reason:
         return SerialFamily(family.model, vision_cache_size, vision_cache_bytes, reason=reason)
-    family.batch_vision = False
-    log.info("CUDA: the language model's linear layers run on the row-exact matmul; each "
-             "request's images get a vision-tower call of their own")
+    if family.batch_vision and family.tower_stacks_images:
+        family.tower_sharing = TowerSharing(family)
+        towers = "one-image requests share vision-tower calls of checked sizes"
+    else:
+        family.batch_vision = False
+        towers = "each request's images get a vision-tower call of their own"
+    log.info("CUDA: the language model's linear layers run on the row-exact matmul; %s", towers)
     return family
 
 

@@ -60,6 +60,10 @@ class Family:
     batch_prefill = False  # text prompts share the language model's passes
     batch_prefill_images = False  # ... image prompts too
     batch_vision = False  # images of several requests share one vision-tower call
+    # A shared call stacks whole images of one shape (so its shape is its number of
+    # images): on CUDA such calls are cut to checked sizes (``tower_sharing``).
+    tower_stacks_images = False
+    tower_sharing = None  # on CUDA, a ``TowerSharing``; None: any number share a call
     # Last passes of different lengths (within twice each other) share a pass, each
     # prompt's tokens first and padding after (causal attention never reads the
     # padding; it is trimmed from each cache after). Only with no argument that runs

@@ -16,6 +16,7 @@ class Gemma3(Family):
     name = "gemma3"
     decoder_class = Gemma3Decoder
     batch_prefill = batch_prefill_images = batch_vision = True
+    tower_stacks_images = True
     pad_last_prefill = True
     text_after_cached_images = True
     # attention_mask_4d (get_input_embeddings' padding mask) is not read by the text model.
@@ -52,6 +53,7 @@ class Gemma4(Family):
     # row's own ``mm_token_type_ids`` (``_make_masks``); only whether the overlay is on
     # at all is decided for the whole pass, so it is part of the signature.
     batch_prefill = batch_prefill_images = batch_vision = True
+    tower_stacks_images = True
     prefill_batch_axes = {"per_layer_inputs": 0, "mm_token_type_ids": 0}
     # Reusing an image prompt's prefix does not reproduce its tokens yet (its attention
     # over image tokens is bidirectional): image prompts are prefilled whole.
