@@ -8,7 +8,10 @@ each engine in its own process:
     python bench/burst.py --model DIR --engine vlm-serve --requests 64 --max-tokens 256
     python bench/burst.py --model DIR --engine mlx-vlm   --requests 64 --max-tokens 256
 
-vlm-serve reports each request's time to first token. ``batch_generate`` returns only
+vlm-serve reports each request's time to first token; with ``--worker-parts``, also
+where its MLX worker's wall time went (``turn_timeline``'s marks around the scheduler's
+parts: taking inputs, prefill steps, shared starts and tower calls, rows joining, decode
+steps), up to the last first token and over the whole burst. ``batch_generate`` returns only
 when every request is done and times its prompt and decode phases; its first tokens all
 come out of one batched prefill, so its TTFT is estimated as the wall time before its
 decode phase (``wall - generation_time``), the same for every request.
@@ -19,13 +22,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 TEXT = " ".join(["describe the picture in detail"] * 12)
+
+# The worker's parts timed by ``--worker-parts``: (owner, method, label).
+WORKER_PARTS = [
+    ("scheduler.Scheduler", "_take_inputs", "take inputs"),
+    ("scheduler.Scheduler", "_prefill_step", "prefill step"),
+    ("prefill_batch.PrefillGroup", "start", "shared start"),
+    ("prefill.Prefill", "start", "lone start"),
+    ("family", "encode_images", "tower call"),
+    ("scheduler.Scheduler", "_join", "join"),
+    ("scheduler.Scheduler", "_decode_step", "decode step"),
+]
+
+
+def time_worker_parts(engine) -> None:
+    """Mark the worker's parts (``turn_timeline.MARKS``) from now on."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import turn_timeline
+
+    from vlm_serve.engine import prefill, prefill_batch, scheduler
+
+    modules = {"scheduler": scheduler, "prefill_batch": prefill_batch, "prefill": prefill}
+    for owner, name, label in WORKER_PARTS:
+        if owner == "family":
+            target = type(engine.scheduler.family)
+        else:
+            module, cls = owner.split(".")
+            target = getattr(modules[module], cls)
+        turn_timeline.timed(target, name, label)
+
+
+def worker_parts(until: float) -> dict[str, float]:
+    """Wall ms of each worker part that ended by ``until`` (a ``perf_counter`` time)."""
+    import turn_timeline
+
+    return {name: round(wall, 1) for name, (wall, _) in turn_timeline.spans(turn_timeline.MARKS, until).items()}
 
 
 def images(n: int, size: int, seed: int) -> list[Image.Image]:
@@ -67,15 +107,23 @@ def run_vlm_serve(args) -> dict:
         return await asyncio.gather(*(one(i, im) for i, im in enumerate(batch)))
 
     asyncio.run(burst(images(4, args.image_size, 1)))  # warm-up
+    if args.worker_parts:
+        time_worker_parts(engine)
     batch = images(args.requests, args.image_size, 0)
+    towers = engine.scheduler.shared_tower_requests
     t = time.perf_counter()
     ready, ttfts, tokens = zip(*asyncio.run(burst(batch)))
     wall = time.perf_counter() - t
     engine.shutdown()
-    return {"tokens": sum(tokens), "wall_s": wall, "ttft_mean_s": float(np.mean(ttfts)),
-            "ttft_p50_s": float(np.median(ttfts)), "ttft_max_s": float(np.max(ttfts)),
-            # when each request's preprocessing (image processor, template, tokens) was done
-            "preprocessed_mean_s": float(np.mean(ready)), "preprocessed_max_s": float(np.max(ready))}
+    result = {"tokens": sum(tokens), "wall_s": wall, "ttft_mean_s": float(np.mean(ttfts)),
+              "ttft_p50_s": float(np.median(ttfts)), "ttft_max_s": float(np.max(ttfts)),
+              # when each request's preprocessing (image processor, template, tokens) was done
+              "preprocessed_mean_s": float(np.mean(ready)), "preprocessed_max_s": float(np.max(ready)),
+              "shared_tower_requests": engine.scheduler.shared_tower_requests - towers}
+    if args.worker_parts:
+        result["worker_ms_to_last_first_token"] = worker_parts(t + max(ttfts))
+        result["worker_ms"] = worker_parts(t + wall)
+    return result
 
 
 def run_mlx_vlm(args) -> dict:
@@ -117,6 +165,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--image-size", type=int, default=896)
     p.add_argument("--cpu-workers", type=int, help="vlm-serve's preprocessing threads (default: the server's)")
+    p.add_argument("--worker-parts", action="store_true",
+                   help="vlm-serve: time the worker's parts (a little overhead on each)")
     p.add_argument("--result-json")
     args = p.parse_args()
     result = run_vlm_serve(args) if args.engine == "vlm-serve" else run_mlx_vlm(args)
