@@ -128,10 +128,10 @@ def test_what_the_kernel_cannot_take():
     assert not cuda_matmul.fits(_layer(256, 64, mx.bfloat16, False, bits=3), mx.bfloat16)
 
 
-def test_installed_on_a_model_and_its_images_get_tower_calls_of_their_own(model_path):
+def test_installed_on_a_model_and_its_images_share_tower_calls_of_checked_sizes(model_path):
     model, _ = load(str(model_path("gemma3")))
     family = family_for(model)
-    assert family.batched and not family.batch_vision
+    assert family.batched and family.batch_vision and family.tower_sharing is not None
     assert row_exact.install(model.language_model) == []  # all already installed
     kinds = {type(m).__name__ for _, m in model.language_model.named_modules()}
     assert "Linear" not in kinds and "_ExactLinear" in kinds

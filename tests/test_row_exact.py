@@ -55,7 +55,13 @@ def test_every_linear_layer_of_the_language_model_takes_the_kernel(as_if_cuda, a
         path = cached_model(arch)
     model, _ = load(str(path))
     family = family_for(model)
-    assert family.batched and not family.batch_vision  # images: a tower call per request
+    assert family.batched
+    # Images: tower calls of checked sizes where a shared call stacks whole images, else
+    # a call per request.
+    if family.tower_stacks_images:
+        assert family.batch_vision and family.tower_sharing is not None
+    else:
+        assert not family.batch_vision and family.tower_sharing is None
     kinds = _kinds(model.language_model)
     assert "Linear" not in kinds and "_ExactLinear" in kinds
     assert "Linear" in _kinds(model.vision_tower)  # the tower keeps MLX's matmul
