@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..preprocess import fast_pixels
 from ..preprocess.chat_format import processor_template
 from .detokenize import make_detokenizer
 
@@ -114,6 +115,10 @@ def load(model: str, chat_template: str | None = None, lazy: bool = False) -> Lo
     # A benchmark preset too large to write (vlm_serve.distributed.random_weights) is
     # built in memory; anything else is a checkpoint.
     vlm_model, processor = load_unwritten(path) or vlm_load(str(path), lazy=lazy)
+    images = getattr(processor, "image_processor", None)
+    if images is not None and fast_pixels.install(images):
+        log.info("%s: pixels rescaled and normalized the faster way, to the same bits",
+                 type(images).__name__)
     # One token through the language model: warms up and tells the logits width,
     # which may differ from the tokenizer's size.
     from mlx_vlm.models import cache as vlm_cache

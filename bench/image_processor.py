@@ -1,0 +1,49 @@
+"""The image processor's time per image, as the server loads it (with the faster exact
+rescale and normalize, ``preprocess/fast_pixels.py``) against the same processor as
+mlx-vlm loads it, alternating in one process; the pixels are checked equal to the bit.
+
+    python bench/image_processor.py --model DIR [--sizes 896x896,1280x720] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from mlx_vlm import load as vlm_load
+from PIL import Image
+
+from vlm_serve.engine.loader import load
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--sizes", default="896x896,1280x720")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    ways = {"transformers": vlm_load(args.model)[1].image_processor,
+            "server": load(args.model).processor.image_processor}
+    print(f"{type(ways['server']).__name__}, faster rescale and normalize installed: "
+          f"{getattr(ways['server'], '_fast_pixels', False)}")
+    rng = np.random.default_rng(0)
+    for size in args.sizes.split(","):
+        w, h = map(int, size.split("x"))
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        pixels = {name: np.ascontiguousarray(ip(images=[image], return_tensors="np")["pixel_values"])
+                  for name, ip in ways.items()}
+        same = np.array_equal(pixels["transformers"].view(np.uint8), pixels["server"].view(np.uint8))
+        times = {name: [] for name in ways}
+        for _ in range(args.repeats):
+            for name, ip in ways.items():
+                started = time.perf_counter()
+                ip(images=[image], return_tensors="np")
+                times[name].append(1000 * (time.perf_counter() - started))
+        print(f"{size}: " + ", ".join(f"{name} {statistics.median(t):.1f} ms" for name, t in times.items())
+              + f" (median of {args.repeats}); same bits: {same}")
+
+
+if __name__ == "__main__":
+    main()
