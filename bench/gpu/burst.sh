@@ -2,9 +2,12 @@
 # A burst of image requests, engine only: vlm-serve's engine against mlx-vlm's
 # batch_generate on the same random-weight model (one 896x896 image + ~64 words in,
 # greedy, $MAX_TOKENS out, $REQUESTS at once). Results (JSON) go to $OUT.
-#   OUT=DIR [WORKER_PARTS=1] bash bench/gpu/burst.sh [preset]        (default gemma3-4b)
-# WORKER_PARTS=1: vlm-serve's result also says where its worker's time went
-# (bench/burst.py --worker-parts).
+#   OUT=DIR [WORKER_PARTS=1] [VARIANTS="default lone-towers plain-pixels"] bash bench/gpu/burst.sh [preset]
+# (default preset gemma3-4b). WORKER_PARTS=1: vlm-serve's results also say where its
+# worker's time went (bench/burst.py --worker-parts). VARIANTS: vlm-serve as it is
+# (default), with each request's images in a tower call of their own (lone-towers:
+# VLM_SERVE_SHARE_TOWERS=0), with transformers' own rescale and normalize
+# (plain-pixels: VLM_SERVE_FAST_PIXELS=0); mlx-vlm runs once after them.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -15,10 +18,21 @@ MODEL=/tmp/vlm-bench-$PRESET
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
-for engine in vlm-serve mlx-vlm; do
-  parts=()
-  [ "$engine" = vlm-serve ] && [ -n "${WORKER_PARTS:-}" ] && parts=(--worker-parts)
-  python3 bench/burst.py --model "$MODEL" --engine $engine --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
-      "${parts[@]}" --result-json "$OUT/burst-$engine.json" > "$OUT/burst-$engine.log" 2>&1
-  tail -12 "$OUT/burst-$engine.log"
+parts=()
+[ -n "${WORKER_PARTS:-}" ] && parts=(--worker-parts)
+for variant in ${VARIANTS:-default}; do
+  case $variant in
+    default) settings="" ;;
+    lone-towers) settings="VLM_SERVE_SHARE_TOWERS=0" ;;
+    plain-pixels) settings="VLM_SERVE_FAST_PIXELS=0" ;;
+    *) echo "unknown variant: $variant" >&2; continue ;;
+  esac
+  name=vlm-serve${settings:+-$variant}
+  # shellcheck disable=SC2086  # the variant's settings are NAME=VALUE words
+  env $settings python3 bench/burst.py --model "$MODEL" --engine vlm-serve --requests "$REQUESTS" \
+      --max-tokens "$MAX_TOKENS" "${parts[@]}" --result-json "$OUT/burst-$name.json" > "$OUT/burst-$name.log" 2>&1
+  tail -12 "$OUT/burst-$name.log"
 done
+python3 bench/burst.py --model "$MODEL" --engine mlx-vlm --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
+    --result-json "$OUT/burst-mlx-vlm.json" > "$OUT/burst-mlx-vlm.log" 2>&1
+tail -12 "$OUT/burst-mlx-vlm.log"

@@ -18,12 +18,16 @@ Only for families whose shared call stacks whole images of one shape
 from __future__ import annotations
 
 import logging
+import os
 
 import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger("vlm_serve.engine")
 
+# VLM_SERVE_SHARE_TOWERS=0: on CUDA each request's images get a call of their own (for
+# comparison).
+ENABLED = os.environ.get("VLM_SERVE_SHARE_TOWERS", "1") != "0"
 # Call sizes checked: a prefill turn starts about as many image requests as fit its token
 # budget (seven 896-pixel Gemma 3 chats in 2,048 tokens).
 SIZES = tuple(range(2, 9))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from .. import cpu_blas, row_exact
-from ..tower_sharing import TowerSharing
+from .. import tower_sharing
 from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
@@ -105,8 +105,8 @@ def _row_exact(family: Family, vision_cache_size: int, vision_cache_bytes: int) 
         reason = f"on CUDA, batched rows of {type(decoder).__name__} have differed from the same rows alone"
     if reason:
         return SerialFamily(family.model, vision_cache_size, vision_cache_bytes, reason=reason)
-    if family.batch_vision and family.tower_stacks_images:
-        family.tower_sharing = TowerSharing(family)
+    if family.batch_vision and family.tower_stacks_images and tower_sharing.ENABLED:
+        family.tower_sharing = tower_sharing.TowerSharing(family)
         towers = "one-image requests share vision-tower calls of checked sizes"
     else:
         family.batch_vision = False
