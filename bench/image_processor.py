@@ -1,14 +1,18 @@
 """The image processor's time per image, as the server loads it (with the faster exact
 rescale and normalize, ``preprocess/fast_pixels.py``) against the same processor as
 mlx-vlm loads it, alternating in one process; the pixels are checked equal to the bit.
+``--busy-thread``: with another thread running Python meanwhile, as the MLX worker does
+while it builds a step's graph (each call then waits for the interpreter lock after
+every NumPy or PIL call that gave it up).
 
-    python bench/image_processor.py --model DIR [--sizes 896x896,1280x720] [--repeats 20]
+    python bench/image_processor.py --model DIR [--sizes 896x896,1280x720] [--repeats 20] [--busy-thread]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -23,7 +27,10 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--sizes", default="896x896,1280x720")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--busy-thread", action="store_true", help="with a thread running Python beside")
     args = p.parse_args()
+    if args.busy_thread:
+        threading.Thread(target=_spin, daemon=True).start()
     ways = {"transformers": vlm_load(args.model)[1].image_processor,
             "server": load(args.model).processor.image_processor}
     print(f"{type(ways['server']).__name__}, faster rescale and normalize installed: "
@@ -43,6 +50,12 @@ def main() -> None:
                 times[name].append(1000 * (time.perf_counter() - started))
         print(f"{size}: " + ", ".join(f"{name} {statistics.median(t):.1f} ms" for name, t in times.items())
               + f" (median of {args.repeats}); same bits: {same}")
+
+
+def _spin() -> None:
+    n = 0
+    while True:
+        n += 1
 
 
 if __name__ == "__main__":
