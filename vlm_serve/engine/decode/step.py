@@ -31,9 +31,11 @@ COMPILE = os.environ.get("VLM_SERVE_COMPILE_DECODE", "1") != "0"
 # gpu-h100-cuda-attention); since then, compiled was faster at 128 in two runs of three
 # (15.5 vs 17.9, 16.6 vs 17.8, 15.8 vs 15.2 ms) but far slower at 96 in both runs that
 # timed it (18.6 vs 12.1 and 16.8 vs 10.6 ms; bench/results/gpu-bucketed-passes), and
-# even at 64. Op by op may round differently from compiled (Gemma 4's step does, on an
-# H200), and a row must get the same bits whatever the slots: so the first step past
-# the limit runs both ways, and where they differ the step stays compiled.
+# even at 64. On an H200 the two were within 0.8 ms of each other at 64, 96 and 128
+# slots, in either order (bench/results/gpu-h200-compile-limit). Op by op may round
+# differently from compiled (Gemma 4's step does, on an H200), and a row must get the
+# same bits whatever the slots: so the first step past the limit runs both ways, and
+# where they differ the step stays compiled.
 CUDA_COMPILE_MAX_SLOTS = int(os.environ.get("VLM_SERVE_CUDA_COMPILE_MAX_SLOTS", "64"))
 
 
