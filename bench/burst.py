@@ -11,7 +11,8 @@ each engine in its own process:
 vlm-serve reports each request's time to first token; with ``--worker-parts``, also
 where its MLX worker's wall time went (``turn_timeline``'s marks around the scheduler's
 parts: taking inputs, prefill steps, shared starts and tower calls, rows joining, decode
-steps), up to the last first token and over the whole burst. ``batch_generate`` returns only
+steps; they nest: a prefill step's time holds its start's, a start's its tower calls'),
+up to the last first token and over the whole burst. ``batch_generate`` returns only
 when every request is done and times its prompt and decode phases; its first tokens all
 come out of one batched prefill, so its TTFT is estimated as the wall time before its
 decode phase (``wall - generation_time``), the same for every request.

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import cpu_blas, row_exact
-from .. import tower_sharing
+from .. import cpu_blas, row_exact, tower_sharing
 from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
