@@ -58,3 +58,11 @@ def test_a_processor_whose_pixels_would_change_is_left_as_it_was(monkeypatch):
     assert fast_pixels.install(image_processor) is False
     assert "rescale" not in vars(image_processor) and "normalize" not in vars(image_processor)
     assert not getattr(image_processor, "_fast_pixels", False)
+
+
+def test_turned_off_the_processor_keeps_transformers_arithmetic(monkeypatch):
+    """VLM_SERVE_FAST_PIXELS=0 (read at import, set here on the module)."""
+    monkeypatch.setattr(fast_pixels, "ENABLED", False)
+    _, processor = vlm_load(str(cached_model("gemma3")))
+    assert fast_pixels.install(processor.image_processor) is False
+    assert "rescale" not in vars(processor.image_processor)

@@ -17,6 +17,7 @@ from vlm_serve.engine.tower_sharing import SIZES, TowerSharing, cut
 
 from conftest import make_image
 from test_parity import PREFILL_STEP, Case, Harness, _assert_matches_oracle, run_burst
+from test_row_exact import as_if_cuda  # noqa: F401 - a fixture
 
 
 @pytest.mark.parametrize("count, sizes, calls", [
@@ -121,3 +122,18 @@ def test_warm_up_checks_the_usual_image_shape(model_path, monkeypatch, caplog):
         assert any(r.getMessage().startswith(f"vision tower, images of shape {shape}: ") for r in caplog.records)
     finally:
         engine.shutdown()
+
+
+def test_turned_off_each_request_calls_the_tower_alone_on_cuda(as_if_cuda, monkeypatch):  # noqa: F811
+    """VLM_SERVE_SHARE_TOWERS=0 (read at import, set here on the module): on CUDA, as
+    before tower sharing, no request's images share a call."""
+    from mlx_vlm import load as vlm_load
+
+    from vlm_serve.engine import tower_sharing
+    from vlm_serve.engine.families import family_for
+    from vlm_serve.fixtures.build import cached_model
+
+    monkeypatch.setattr(tower_sharing, "ENABLED", False)
+    model, _ = vlm_load(str(cached_model("gemma3")))
+    family = family_for(model)
+    assert family.batched and not family.batch_vision and family.tower_sharing is None
