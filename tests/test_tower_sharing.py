@@ -124,7 +124,7 @@ def test_warm_up_checks_the_usual_image_shape(model_path, monkeypatch, caplog):
         engine.shutdown()
 
 
-def test_turned_off_each_request_calls_the_tower_alone_on_cuda(as_if_cuda, monkeypatch):  # noqa: F811
+def test_turned_off_each_request_calls_the_tower_alone_on_cuda(as_if_cuda, monkeypatch):  # noqa: F811 - the fixture
     """VLM_SERVE_SHARE_TOWERS=0 (read at import, set here on the module): on CUDA, as
     before tower sharing, no request's images share a call."""
     from mlx_vlm import load as vlm_load
