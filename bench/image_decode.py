@@ -1,0 +1,57 @@
+"""Decoding an uploaded image (PNG, JPEG) as the server does (``Image.open``, ``load``,
+RGB), alone or beside a thread running Python, at Python's switch interval or another:
+PIL gives up the interpreter lock for every chunk it decodes, and a thread beside it that
+runs Python holds the lock until the switch interval ends.
+
+    python bench/image_decode.py [--size 896] [--busy-thread] [--switch-intervals 0.005,0.001]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+from PIL import Image
+
+
+def _spin() -> None:
+    n = 0
+    while True:
+        n += 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=int, default=896)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--busy-thread", action="store_true")
+    p.add_argument("--switch-intervals", default="0.005", help="seconds, comma-separated")
+    args = p.parse_args()
+    pixels = np.random.default_rng(0).integers(0, 256, (args.size, args.size, 3), dtype=np.uint8)
+    encoded = {}
+    for fmt in ("PNG", "JPEG"):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format=fmt)
+        encoded[fmt] = buf.getvalue()
+    if args.busy_thread:
+        threading.Thread(target=_spin, daemon=True).start()
+    for interval in (float(s) for s in args.switch_intervals.split(",")):
+        sys.setswitchinterval(interval)
+        for fmt, data in encoded.items():
+            times = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                Image.open(io.BytesIO(data)).convert("RGB")
+                times.append(1000 * (time.perf_counter() - started))
+            print(f"switch interval {1000 * interval:g} ms, {fmt} of {len(data) / 1e6:.1f} MB: "
+                  f"{statistics.median(times):.1f} ms (median of {args.repeats})"
+                  + (", beside a busy thread" if args.busy_thread else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
