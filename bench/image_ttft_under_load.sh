@@ -19,7 +19,11 @@ for round in $(seq "${ROUNDS:-3}"); do
     PYTHONPATH="$run/site:${PYTHONPATH:-}" $PY -m vlm_serve.cli --model "$MODEL" --port $port --no-access-log \
         --max-num-seqs 16 > "$run/server.log" 2>&1 &
     server=$!
-    for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 0.5; done
+    for _ in $(seq 600); do  # until it answers, or it died
+      curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+      kill -0 $server 2>/dev/null || { echo "the server stopped: $run/server.log" >&2; exit 1; }
+      sleep 0.5
+    done
     base=http://127.0.0.1:$port/v1
     $PY bench/serve.py --base-url $base --num-prompts 100000 --max-concurrency "${TEXT_CONCURRENCY:-8}" \
         --images-per-request 0 --max-tokens 256 --prompt-tokens 128 --warmup 0 --quiet > "$run/text.log" 2>&1 &
