@@ -198,6 +198,11 @@ def decode_image(data: bytes, policy: MediaPolicy, budget: PixelBudget | None = 
                 raise _too_many_pixels(width, height, policy)
             if budget is not None:
                 budget.spend(width, height)
+            # The whole upload to the decoder at once: Pillow gives up the interpreter lock
+            # for each block it decodes (64 KB by default) and waits to get it back while
+            # the MLX worker runs Python (a 0.5 MB JPEG beside a busy thread: 61 -> 23 ms;
+            # bench/image_decode.py). A PNG is fed by its own chunks either way.
+            image.decodermaxblock = max(image.decodermaxblock, len(data))
             image.load()  # first frame only; surface truncation and corruption here
             return _to_rgb(_exif_transpose(image))
     except MediaError:
