@@ -33,32 +33,32 @@ from PIL import Image
 
 TEXT = " ".join(["describe the picture in detail"] * 12)
 
-# The worker's parts timed by ``--worker-parts``: (owner, method, label).
+# The worker's parts timed by ``--worker-parts``: (class path, or "family" for the
+# model's family class, method, label).
 WORKER_PARTS = [
-    ("scheduler.Scheduler", "_take_inputs", "take inputs"),
-    ("scheduler.Scheduler", "_prefill_step", "prefill step"),
-    ("prefill_batch.PrefillGroup", "start", "shared start"),
-    ("prefill.Prefill", "start", "lone start"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_take_inputs", "take inputs"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_prefill_step", "prefill step"),
+    ("vlm_serve.engine.prefill_batch.PrefillGroup", "start", "shared start"),
+    ("vlm_serve.engine.prefill.Prefill", "start", "lone start"),
     ("family", "encode_images", "tower call"),
-    ("scheduler.Scheduler", "_join", "join"),
-    ("scheduler.Scheduler", "_decode_step", "decode step"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_join", "join"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_decode_step", "decode step"),
 ]
 
 
 def time_worker_parts(engine) -> None:
     """Mark the worker's parts (``turn_timeline.MARKS``) from now on."""
+    import importlib
+
     sys.path.insert(0, str(Path(__file__).parent))
     import turn_timeline
 
-    from vlm_serve.engine import prefill, prefill_batch, scheduler
-
-    modules = {"scheduler": scheduler, "prefill_batch": prefill_batch, "prefill": prefill}
     for owner, name, label in WORKER_PARTS:
         if owner == "family":
             target = type(engine.scheduler.family)
         else:
-            module, cls = owner.split(".")
-            target = getattr(modules[module], cls)
+            module, cls = owner.rsplit(".", 1)
+            target = getattr(importlib.import_module(module), cls)
         turn_timeline.timed(target, name, label)
 
 

@@ -70,6 +70,11 @@ class Harness:
         self._oracle_cache: dict = {}
         self.alone = engine_alone_on_cuda(path, PREFILL_STEP)
 
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self.alone is not None:
+            self.alone.shutdown()
+
     def prepare(self, case: Case, rid: str, **sampling):
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, stop=case.stop, **sampling)
         return prepare_prompt(self.ctx, rid, chat_prompt(self.ctx, case), params, case.images)
@@ -133,9 +138,7 @@ def run_jobs(engine, jobs):
 def harness(request, model_path):
     h = Harness(str(model_path(request.param)))
     yield h
-    h.engine.shutdown()
-    if h.alone is not None:
-        h.alone.shutdown()
+    h.shutdown()
 
 
 def _cases() -> list[Case]:

@@ -38,9 +38,7 @@ def harness(request, model_path):
     config = h.engine.scheduler.config
     config.prefill_token_budget = 64 * PREFILL_STEP  # a burst starts in one turn
     yield h
-    h.engine.shutdown()
-    if h.alone is not None:
-        h.alone.shutdown()
+    h.shutdown()
 
 
 def _one_image_pixels(h: Harness, seed: int) -> mx.array:
