@@ -37,12 +37,20 @@ TEXT = " ".join(["describe the picture in detail"] * 12)
 # model's family class, method, label).
 WORKER_PARTS = [
     ("vlm_serve.engine.scheduler.Scheduler", "_take_inputs", "take inputs"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_admit", "admit"),
     ("vlm_serve.engine.scheduler.Scheduler", "_prefill_step", "prefill step"),
     ("vlm_serve.engine.prefill_batch.PrefillGroup", "start", "shared start"),
+    ("vlm_serve.engine.prefill.Prefill", "materialize", "materialize"),
+    ("vlm_serve.engine.prefill.Prefill", "embed", "embed"),
+    ("vlm_serve.engine.prefill_batch.PrefillGroup", "_pass", "shared pass"),
     ("vlm_serve.engine.prefill.Prefill", "start", "lone start"),
     ("family", "encode_images", "tower call"),
     ("vlm_serve.engine.scheduler.Scheduler", "_join", "join"),
+    ("vlm_serve.engine.prefill.Prefill", "remember", "keep prefix"),
+    ("vlm_serve.engine.batch.Batch", "add", "batch add"),
     ("vlm_serve.engine.scheduler.Scheduler", "_decode_step", "decode step"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_launch", "launch"),
+    ("vlm_serve.engine.scheduler.Scheduler", "_process", "read back"),
 ]
 
 
@@ -62,11 +70,23 @@ def time_worker_parts(engine) -> None:
         turn_timeline.timed(target, name, label)
 
 
-def worker_parts(until: float) -> dict[str, float]:
-    """Wall ms of each worker part that ended by ``until`` (a ``perf_counter`` time)."""
+def worker_parts(until: float) -> dict[str, list[float]]:
+    """[wall, worker CPU] ms of each worker part that ended by ``until`` (a
+    ``perf_counter`` time): wall well over CPU is waiting, on the device or for the
+    interpreter lock."""
     import turn_timeline
 
-    return {name: round(wall, 1) for name, (wall, _) in turn_timeline.spans(turn_timeline.MARKS, until).items()}
+    return {name: [round(wall, 1), round(cpu, 1)]
+            for name, (wall, cpu) in turn_timeline.spans(turn_timeline.MARKS, until).items()}
+
+
+def timeline(start: float, ready, first) -> dict:
+    """Every mark from ``start`` on ([s after start, label, worker CPU s]) and each
+    request's preprocessing end and first token, for a look at the order of things."""
+    import turn_timeline
+
+    marks = [(round(t - start, 5), label, round(cpu, 5)) for t, label, cpu in turn_timeline.MARKS if t >= start]
+    return {"marks": marks, "preprocessed_s": list(ready), "first_token_s": list(first)}
 
 
 def images(n: int, size: int, seed: int) -> list[Image.Image]:
@@ -82,7 +102,10 @@ def run_vlm_serve(args) -> dict:
     from vlm_serve.preprocess.media import MediaPolicy
     from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-    engine = Engine(args.model, SchedulerConfig(max_num_seqs=args.requests))
+    config = SchedulerConfig(max_num_seqs=args.requests)
+    if args.prefill_token_budget:
+        config.prefill_token_budget = args.prefill_token_budget
+    engine = Engine(args.model, config)
     engine.start()
     loaded = engine.loaded
     ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
@@ -92,18 +115,22 @@ def run_vlm_serve(args) -> dict:
     # Preprocessing runs off the event loop on a pool the size of the server's.
     pool = ThreadPoolExecutor(args.cpu_workers or ServerConfig().cpu_workers)
 
-    async def burst(batch: list[Image.Image]) -> list[tuple[float, float, int]]:
+    def prepare(i: int, image: Image.Image):
+        return prepare_prompt(ctx, f"r{i}", prompt, params, [image])
+
+    async def burst(batch: list, preprocessed: bool = False) -> list[tuple[float, float, int]]:
+        """``batch``: images, or with ``preprocessed`` each request's prepared inputs."""
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
 
-        async def one(i: int, image: Image.Image) -> tuple[float, float, int]:
-            prepared = await loop.run_in_executor(pool, prepare_prompt, ctx, f"r{i}", prompt, params, [image])
-            ready, first, n = time.perf_counter() - start, None, 0
+        async def one(i: int, item) -> tuple[float, float, int]:
+            prepared = item if preprocessed else await loop.run_in_executor(pool, prepare, i, item)
+            ready_at, first, n = time.perf_counter() - start, None, 0
             async for event in engine.submit(prepared):
                 if first is None and event.token_ids:
                     first = time.perf_counter() - start
                 n += len(event.token_ids)
-            return ready, first, n
+            return ready_at, first, n
 
         return await asyncio.gather(*(one(i, im) for i, im in enumerate(batch)))
 
@@ -111,9 +138,11 @@ def run_vlm_serve(args) -> dict:
     if args.worker_parts:
         time_worker_parts(engine)
     batch = images(args.requests, args.image_size, 0)
+    if args.preprocessed:  # the engine alone: every request's inputs ready before the clock starts
+        batch = [prepare(i, image) for i, image in enumerate(batch)]
     towers = engine.scheduler.shared_tower_requests
     t = time.perf_counter()
-    ready, ttfts, tokens = zip(*asyncio.run(burst(batch)))
+    ready, ttfts, tokens = zip(*asyncio.run(burst(batch, args.preprocessed)))
     wall = time.perf_counter() - t
     engine.shutdown()
     result = {"tokens": sum(tokens), "wall_s": wall, "ttft_mean_s": float(np.mean(ttfts)),
@@ -124,6 +153,9 @@ def run_vlm_serve(args) -> dict:
     if args.worker_parts:
         result["worker_ms_to_last_first_token"] = worker_parts(t + max(ttfts))
         result["worker_ms"] = worker_parts(t + wall)
+    if args.timeline:
+        with open(args.timeline, "w") as f:
+            json.dump(timeline(t, ready, ttfts), f)
     return result
 
 
@@ -166,8 +198,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--image-size", type=int, default=896)
     p.add_argument("--cpu-workers", type=int, help="vlm-serve's preprocessing threads (default: the server's)")
+    p.add_argument("--prefill-token-budget", type=int,
+                   help="vlm-serve: prompt tokens prefilled per turn (default: the scheduler's)")
+    p.add_argument("--preprocessed", action="store_true",
+                   help="vlm-serve: preprocess every request before the clock starts (the engine alone)")
     p.add_argument("--worker-parts", action="store_true",
                    help="vlm-serve: time the worker's parts (a little overhead on each)")
+    p.add_argument("--timeline", help="vlm-serve with --worker-parts: write every mark and each "
+                   "request's preprocessing end and first token here (JSON)")
     p.add_argument("--result-json")
     args = p.parse_args()
     result = run_vlm_serve(args) if args.engine == "vlm-serve" else run_mlx_vlm(args)

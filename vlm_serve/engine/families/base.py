@@ -127,13 +127,22 @@ class Family:
         mask = inputs.pop("attention_mask", None)
         if mask is None:
             mask = mx.ones(input_ids.shape, mx.int32)
-        cached = {}
         if features is None and pixel_values is not None and image_key:
             features = self.vision_cache.get(image_key)
             if features is None:
                 features = self.encode_images(input_ids, pixel_values, inputs)
                 if features is not None:
                     self.vision_cache.put(image_key, features)
+        return self.merge(input_ids, pixel_values, mask, inputs, features)
+
+    def merge(self, input_ids: mx.array, pixel_values, mask: mx.array, inputs: dict,
+              features=None) -> tuple[mx.array, dict]:
+        """The prompt's embeddings with its images' ``features`` (or, where None, its
+        pixels through the tower) in place, and the model's other outputs: as
+        ``get_input_embeddings`` computes them. A family overrides this where the
+        model's own merge reads a value back to the host, which waits for every
+        queued tower call and pass (``Gemma3.merge``)."""
+        cached = {}
         if features is not None:
             cached["cached_image_features"] = features
             if pixel_values is None:
