@@ -9,10 +9,13 @@ each engine in its own process:
     python bench/burst.py --model DIR --engine mlx-vlm   --requests 64 --max-tokens 256
 
 vlm-serve reports each request's time to first token; with ``--worker-parts``, also
-where its MLX worker's wall time went (``turn_timeline``'s marks around the scheduler's
-parts: taking inputs, prefill steps, shared starts and tower calls, rows joining, decode
-steps; they nest: a prefill step's time holds its start's, a start's its tower calls'),
-up to the last first token and over the whole burst. ``batch_generate`` returns only
+where its MLX worker's wall and CPU time went (``turn_timeline``'s marks around the
+scheduler's parts: taking inputs, prefill steps, shared starts, pixels to the device,
+tower calls, embeddings, shared passes, rows joining, decode steps, their launch and
+read-back; they nest: a prefill step's time holds its start's, a start's its tower
+calls'), up to the last first token and over the whole burst; ``--timeline FILE`` keeps
+every mark in order. ``--preprocessed`` times the engine alone, every request's inputs
+ready before the clock starts. ``batch_generate`` returns only
 when every request is done and times its prompt and decode phases; its first tokens all
 come out of one batched prefill, so its TTFT is estimated as the wall time before its
 decode phase (``wall - generation_time``), the same for every request.
