@@ -6,7 +6,7 @@ samples each function appears in (inclusive) and prints the top functions with t
 share of that thread's samples: e.g. how much of the MLX worker went to prefill,
 launching decode steps, reading them back, or a native frame under them (``--native``).
 
-    python bench/pyspy_summary.py FILE [--top 20] [--thread mlx-worker]
+    python bench/pyspy_summary.py FILE [--top 20] [--thread mlx-worker] [--within NAME] [--without NAME]
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import argparse
 from collections import Counter, defaultdict
 
 
-def summarize(path: str) -> tuple[Counter, dict[str, Counter]]:
+def summarize(path: str, within: str | None = None, without: str | None = None) -> tuple[Counter, dict[str, Counter]]:
+    """Samples per thread, and per thread the samples each function appears in; only
+    stacks with a frame named ``within``, and none named ``without``, where given."""
     samples: Counter = Counter()
     inclusive: dict[str, Counter] = defaultdict(Counter)
     with open(path) as f:
@@ -24,9 +26,12 @@ def summarize(path: str) -> tuple[Counter, dict[str, Counter]]:
             if not stack:
                 continue
             thread, *frames = stack.split(";")
+            names = {frame.split(" (")[0] for frame in frames}
+            if (within and within not in names) or (without and without in names):
+                continue
             n = int(count)
             samples[thread] += n
-            for name in {frame.split(" (")[0] for frame in frames}:
+            for name in names:
                 inclusive[thread][name] += n
     return samples, inclusive
 
@@ -36,8 +41,10 @@ def main() -> None:
     p.add_argument("profile")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--thread", default=None, help="only threads whose name contains this")
+    p.add_argument("--within", help="only samples under a frame of this name (e.g. Scheduler.run)")
+    p.add_argument("--without", help="no samples under a frame of this name (e.g. Scheduler.run_to_completion)")
     args = p.parse_args()
-    samples, inclusive = summarize(args.profile)
+    samples, inclusive = summarize(args.profile, args.within, args.without)
     for thread, total in samples.most_common():
         if args.thread and args.thread not in thread:
             continue
