@@ -37,7 +37,7 @@ class Gemma3(Family):
     def merge(self, input_ids, pixel_values, mask, inputs, features=None):
         """``get_input_embeddings``' merge without its read-back: the model finds its
         image positions with NumPy, which waits for every tower call and pass queued
-        before it (a burst's prefill went tower by tower) and costs the host ~6 ms a
+        before it (a burst's prefill went tower by tower) and costs the host ~3 ms a
         prompt. Here each image token takes its feature row by a running count of
         image tokens, on the device. Same values: the model's merge only selects and
         copies (through float32, exact for the embedding dtype), as this does."""
