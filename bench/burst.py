@@ -73,14 +73,15 @@ def time_worker_parts(engine) -> None:
         turn_timeline.timed(target, name, label)
 
 
-def worker_parts(until: float) -> dict[str, list[float]]:
-    """[wall, worker CPU] ms of each worker part that ended by ``until`` (a
-    ``perf_counter`` time): wall well over CPU is waiting, on the device or for the
+def worker_parts(start: float, until: float) -> dict[str, list[float]]:
+    """[wall, worker CPU] ms of each worker part that began at ``start`` or later and
+    ended by ``until`` (``perf_counter`` times; the idle worker's wait for the first
+    request began before): wall well over CPU is waiting, on the device or for the
     interpreter lock."""
     import turn_timeline
 
-    return {name: [round(wall, 1), round(cpu, 1)]
-            for name, (wall, cpu) in turn_timeline.spans(turn_timeline.MARKS, until).items()}
+    marks = [mark for mark in turn_timeline.MARKS if mark[0] >= start]
+    return {name: [round(wall, 1), round(cpu, 1)] for name, (wall, cpu) in turn_timeline.spans(marks, until).items()}
 
 
 def timeline(start: float, ready, first) -> dict:
@@ -154,8 +155,8 @@ def run_vlm_serve(args) -> dict:
               "preprocessed_mean_s": float(np.mean(ready)), "preprocessed_max_s": float(np.max(ready)),
               "shared_tower_requests": engine.scheduler.shared_tower_requests - towers}
     if args.worker_parts:
-        result["worker_ms_to_last_first_token"] = worker_parts(t + max(ttfts))
-        result["worker_ms"] = worker_parts(t + wall)
+        result["worker_ms_to_last_first_token"] = worker_parts(t, t + max(ttfts))
+        result["worker_ms"] = worker_parts(t, t + wall)
     if args.timeline:
         with open(args.timeline, "w") as f:
             json.dump(timeline(t, ready, ttfts), f)
