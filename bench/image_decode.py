@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import statistics
 import sys
-import threading
-import time
 
 import numpy as np
+from alternating import median_ms, start_busy_thread
 from PIL import Image
 
 from vlm_serve.preprocess.media import MediaPolicy, decode_image
-
-
-def _spin() -> None:
-    n = 0
-    while True:
-        n += 1
 
 
 def main() -> None:
@@ -42,20 +34,15 @@ def main() -> None:
         Image.fromarray(pixels).save(buf, format=fmt)
         encoded[fmt] = buf.getvalue()
     if args.busy_thread:
-        threading.Thread(target=_spin, daemon=True).start()
+        start_busy_thread()
     for interval in (float(s) for s in args.switch_intervals.split(",")):
         sys.setswitchinterval(interval)
         for fmt, data in encoded.items():
             ways = {"Pillow's": lambda: Image.open(io.BytesIO(data)).convert("RGB"),
                     "the server's": lambda: decode_image(data, MediaPolicy())}
-            times = {name: [] for name in ways}
-            for _ in range(args.repeats):
-                for name, decode in ways.items():
-                    started = time.perf_counter()
-                    decode()
-                    times[name].append(1000 * (time.perf_counter() - started))
+            medians = median_ms(ways, args.repeats)
             print(f"switch interval {1000 * interval:g} ms, {fmt} of {len(data) / 1e6:.1f} MB: "
-                  + ", ".join(f"{name} {statistics.median(t):.1f} ms" for name, t in times.items())
+                  + ", ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items())
                   + f" (median of {args.repeats})" + (", beside a busy thread" if args.busy_thread else ""),
                   flush=True)
 

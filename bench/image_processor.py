@@ -11,11 +11,9 @@ every NumPy or PIL call that gave it up).
 from __future__ import annotations
 
 import argparse
-import statistics
-import threading
-import time
 
 import numpy as np
+from alternating import median_ms, start_busy_thread
 from mlx_vlm import load as vlm_load
 from PIL import Image
 
@@ -30,7 +28,7 @@ def main() -> None:
     p.add_argument("--busy-thread", action="store_true", help="with a thread running Python beside")
     args = p.parse_args()
     if args.busy_thread:
-        threading.Thread(target=_spin, daemon=True).start()
+        start_busy_thread()
     ways = {"transformers": vlm_load(args.model)[1].image_processor,
             "server": load(args.model).processor.image_processor}
     print(f"{type(ways['server']).__name__}, faster rescale and normalize installed: "
@@ -42,20 +40,10 @@ def main() -> None:
         pixels = {name: np.ascontiguousarray(ip(images=[image], return_tensors="np")["pixel_values"])
                   for name, ip in ways.items()}
         same = np.array_equal(pixels["transformers"].view(np.uint8), pixels["server"].view(np.uint8))
-        times = {name: [] for name in ways}
-        for _ in range(args.repeats):
-            for name, ip in ways.items():
-                started = time.perf_counter()
-                ip(images=[image], return_tensors="np")
-                times[name].append(1000 * (time.perf_counter() - started))
-        print(f"{size}: " + ", ".join(f"{name} {statistics.median(t):.1f} ms" for name, t in times.items())
+        medians = median_ms({name: lambda ip=ip: ip(images=[image], return_tensors="np")
+                             for name, ip in ways.items()}, args.repeats)
+        print(f"{size}: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items())
               + f" (median of {args.repeats}); same bits: {same}")
-
-
-def _spin() -> None:
-    n = 0
-    while True:
-        n += 1
 
 
 if __name__ == "__main__":

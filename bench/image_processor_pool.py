@@ -5,47 +5,55 @@ a thread, as the server makes it.
 
     python bench/image_processor_pool.py DIR
 """
-import multiprocessing as mp, statistics, sys, threading, time
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
 import numpy as np
+from alternating import median_ms, start_busy_thread
 from PIL import Image
 
-_ip = None
+_processor = None  # the child's image processor
 
-def _init(path):
-    global _ip
+
+def _load_in_child(path: str) -> None:
+    global _processor
     from mlx_vlm.utils import load_processor
-    from vlm_serve.preprocess import fast_pixels
-    _ip = load_processor(Path(path)).image_processor
-    fast_pixels.install(_ip)
 
-def _call(image):
-    out = _ip(images=[image], return_tensors="np")
+    from vlm_serve.preprocess import fast_pixels
+
+    _processor = load_processor(Path(path)).image_processor
+    fast_pixels.install(_processor)
+
+
+def _call_in_child(image: Image.Image) -> dict:
+    out = _processor(images=[image], return_tensors="np")
     return {k: np.asarray(v) for k, v in out.items()}
 
-def spin():
-    n = 0
-    while True:
-        n += 1
+
+def main() -> None:
+    from vlm_serve.engine.loader import load
+
+    path = sys.argv[1]
+    processor = load(path).processor.image_processor
+    pool = ProcessPoolExecutor(1, mp.get_context("spawn"), initializer=_load_in_child, initargs=(path,))
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (896, 896, 3), dtype=np.uint8))
+    expected = np.asarray(processor(images=[image], return_tensors="np")["pixel_values"])
+    got = np.ascontiguousarray(pool.submit(_call_in_child, image).result()["pixel_values"])
+    print("same bits:", np.array_equal(expected.view(np.uint8), got.view(np.uint8)))
+    ways = {"in-thread": lambda: processor(images=[image], return_tensors="np"),
+            "child process": lambda: pool.submit(_call_in_child, image).result()}
+    for label in ("alone", "beside a busy thread"):
+        if label != "alone":
+            start_busy_thread()
+        medians = median_ms(ways, 12)
+        print(label, ", ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items()))
+    pool.shutdown()
+
 
 if __name__ == "__main__":
-    path = sys.argv[1]
-    from vlm_serve.engine.loader import load
-    ip = load(path).processor.image_processor
-    pool = ProcessPoolExecutor(1, mp.get_context("spawn"), initializer=_init, initargs=(path,))
-    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (896, 896, 3), dtype=np.uint8))
-    ref = np.asarray(ip(images=[img], return_tensors="np")["pixel_values"])
-    got = pool.submit(_call, img).result()["pixel_values"]
-    print("same bits:", np.array_equal(ref.view(np.uint8), np.ascontiguousarray(got).view(np.uint8)))
-    ways = {"in-thread": lambda: ip(images=[img], return_tensors="np"),
-            "child process": lambda: pool.submit(_call, img).result()}
-    for label in ("alone", "busy"):
-        if label == "busy":
-            threading.Thread(target=spin, daemon=True).start()
-        times = {n: [] for n in ways}
-        for _ in range(12):
-            for n, f in ways.items():
-                s = time.perf_counter(); f(); times[n].append(1000 * (time.perf_counter() - s))
-        print(label, ", ".join(f"{n} {statistics.median(t):.1f} ms" for n, t in times.items()))
-    pool.shutdown()
+    main()
