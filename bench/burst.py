@@ -8,17 +8,18 @@ each engine in its own process:
     python bench/burst.py --model DIR --engine vlm-serve --requests 64 --max-tokens 256
     python bench/burst.py --model DIR --engine mlx-vlm   --requests 64 --max-tokens 256
 
-vlm-serve reports each request's time to first token; with ``--worker-parts``, also
-where its MLX worker's wall and CPU time went (``turn_timeline``'s marks around the
-scheduler's parts: taking inputs, prefill steps, shared starts, pixels to the device,
-tower calls, embeddings, shared passes, rows joining, decode steps, their launch and
-read-back; they nest: a prefill step's time holds its start's, a start's its tower
-calls'), up to the last first token and over the whole burst; ``--timeline FILE`` keeps
-every mark in order. ``--preprocessed`` times the engine alone, every request's inputs
-ready before the clock starts. ``batch_generate`` returns only
-when every request is done and times its prompt and decode phases; its first tokens all
-come out of one batched prefill, so its TTFT is estimated as the wall time before its
-decode phase (``wall - generation_time``), the same for every request.
+vlm-serve's engine is built as the server builds it (``vlm_serve.server.build_engine``:
+the device's defaults, and on a GPU the warm-up), and reports each request's time to
+first token; with ``--worker-parts``, also where its MLX worker's wall and CPU time went
+(``turn_timeline``'s marks around the scheduler's parts: taking inputs, prefill steps,
+shared starts, pixels to the device, tower calls, embeddings, shared passes, rows
+joining, decode steps, their launch and read-back; they nest: a prefill step's time
+holds its start's, a start's its tower calls'), up to the last first token and over the
+whole burst; ``--timeline FILE`` keeps every mark in order. ``--preprocessed`` times the
+engine alone, every request's inputs ready before the clock starts. ``batch_generate``
+returns only when every request is done and times its prompt and decode phases; its
+first tokens all come out of one batched prefill, so its TTFT is estimated as the wall
+time before its decode phase (``wall - generation_time``), the same for every request.
 """
 
 from __future__ import annotations
@@ -100,17 +101,17 @@ def images(n: int, size: int, seed: int) -> list[Image.Image]:
 
 def run_vlm_serve(args) -> dict:
     from vlm_serve.config import ServerConfig
-    from vlm_serve.engine.engine import Engine
-    from vlm_serve.engine.scheduler import SchedulerConfig
     from vlm_serve.engine.types import SamplingParams
     from vlm_serve.preprocess.media import MediaPolicy
     from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+    from vlm_serve.server import build_engine
 
-    config = SchedulerConfig(max_num_seqs=args.requests)
-    if args.prefill_token_budget:
-        config.prefill_token_budget = args.prefill_token_budget
-    engine = Engine(args.model, config)
-    engine.start()
+    # The engine as the server builds and starts it: its defaults for this device
+    # (prefill passes and budget, prompts gathered for shared passes, last passes padded
+    # to coarse lengths) and its warm-up (on a GPU, every batch shape's kernels built
+    # before the first request, as the server does before it reports ready).
+    engine = build_engine(ServerConfig(model=args.model, max_num_seqs=args.requests,
+                                       prefill_token_budget=args.prefill_token_budget))
     loaded = engine.loaded
     ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
     prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}])
@@ -145,11 +146,12 @@ def run_vlm_serve(args) -> dict:
     if args.preprocessed:  # the engine alone: every request's inputs ready before the clock starts
         batch = [prepare(i, image) for i, image in enumerate(batch)]
     towers = engine.scheduler.shared_tower_requests
-    t = time.perf_counter()
+    t, started_unix = time.perf_counter(), time.time()
     ready, ttfts, tokens = zip(*asyncio.run(burst(batch, args.preprocessed)))
     wall = time.perf_counter() - t
     engine.shutdown()
-    result = {"tokens": sum(tokens), "wall_s": wall, "ttft_mean_s": float(np.mean(ttfts)),
+    result = {"started_unix": started_unix,  # to place files written meanwhile (MLX's kernel cache)
+              "tokens": sum(tokens), "wall_s": wall, "ttft_mean_s": float(np.mean(ttfts)),
               "ttft_p50_s": float(np.median(ttfts)), "ttft_max_s": float(np.max(ttfts)),
               # when each request's preprocessing (image processor, template, tokens) was done
               "preprocessed_mean_s": float(np.mean(ready)), "preprocessed_max_s": float(np.max(ready)),
@@ -203,7 +205,7 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=896)
     p.add_argument("--cpu-workers", type=int, help="vlm-serve's preprocessing threads (default: the server's)")
     p.add_argument("--prefill-token-budget", type=int,
-                   help="vlm-serve: prompt tokens prefilled per turn (default: the scheduler's)")
+                   help="vlm-serve: prompt tokens prefilled per turn (default: the server's)")
     p.add_argument("--preprocessed", action="store_true",
                    help="vlm-serve: preprocess every request before the clock starts (the engine alone)")
     p.add_argument("--worker-parts", action="store_true",

@@ -71,6 +71,7 @@ inline unsigned __ballot_sync(unsigned, bool p) {
 }
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline float half_bits(unsigned short b, __nv_bfloat16) { unsigned u = (unsigned)b << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline float half_bits(unsigned short b, __half) { __half h; std::memcpy(&h, &b, 2); return __half2float(h); }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from vlm_serve.engine import cuda_matmul
-from vlm_serve.engine.decode import cuda_attention
+from vlm_serve.engine.decode import cuda_attention, cuda_heads, cuda_norms
 from vlm_serve.mlx_runtime import kernel_constant
 
 HERE = Path(__file__).parent
@@ -309,3 +310,62 @@ extern "C" void decode_rows(const void* q, int slots, const void* k, const void*
         weights /= weights.sum(-1, keepdims=True)
         out = np.einsum("bhln,bhnd->bhld", weights, vf)
         return out.transpose(0, 2, 1, 3).reshape(B * L, self.heads * self.dim)
+
+
+# -- a decode step's heads --------------------------------------------------------------
+
+
+class Heads:
+    """``cuda_heads``' kernel for bfloat16: a decode step's query, key and value heads
+    from the fused projection's output, launched as ``DecodeHeads.fused`` does."""
+
+    def __init__(self, heads: int, kv_heads: int, dim: int, eps: float, base: float, scale: float):
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.eps, self.base, self.scale = eps, base, scale
+        threads = -(-(dim // 2) // 32) * 32
+        defines = "".join(kernel_constant(name, value)[0] for name, value in
+                          (("EPS", eps), ("LOG2_BASE", math.log2(base)), ("ROPE_SCALE", scale)))
+        self.lib = build(f"""#include "cuda_emulator.h"
+{cuda_norms.BLOCK_SUM}
+{defines}
+template <typename T, int H, int KV, int D, int HALF, int THREADS>
+void heads(const T* qkv, const T* q_norm, const T* k_norm, const int32_t* positions, T* q, T* k, T* v) {{
+{cuda_heads._SOURCE}
+}}
+extern "C" void run(const void* qkv, int rows, const void* q_norm, const void* k_norm, const int32_t* positions,
+                    void* q, void* k, void* v) {{
+  launch({{{heads + 2 * kv_heads}, (unsigned)rows, 1}}, {{{threads}, 1, 1}}, [&] {{
+    heads<{BF16}, {heads}, {kv_heads}, {dim}, {dim // 2}, {threads}>(
+        (const {BF16}*)qkv, (const {BF16}*)q_norm, (const {BF16}*)k_norm, positions,
+        ({BF16}*)q, ({BF16}*)k, ({BF16}*)v); }});
+}}
+""")
+
+    def __call__(self, qkv, q_norm, k_norm, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, k, v) bfloat16 bits, (rows, heads, dim) each."""
+        qkv = np.ascontiguousarray(qkv)
+        rows = qkv.shape[0]
+        q, k, v = (np.zeros((rows, n, self.dim), np.uint16) for n in (self.heads, self.kv_heads, self.kv_heads))
+        self.lib.run(_ptr(qkv), ctypes.c_int(rows), _ptr(np.ascontiguousarray(q_norm)),
+                     _ptr(np.ascontiguousarray(k_norm)), _ptr(np.ascontiguousarray(positions, np.int32)),
+                     _ptr(q), _ptr(k), _ptr(v))
+        return q, k, v
+
+    def reference(self, qkv, q_norm, k_norm, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The same in float64 (from the bfloat16 inputs): RMSNorm, then the rotation."""
+        x = from_bf16(qkv).astype(np.float64).reshape(qkv.shape[0], -1, self.dim)
+        q, k, v = np.split(x, [self.heads, self.heads + self.kv_heads], axis=1)
+
+        def norm(a, w):
+            return a / np.sqrt((a * a).mean(-1, keepdims=True) + self.eps) * from_bf16(w)
+
+        half = self.dim // 2
+        angles = (self.scale * np.asarray(positions, np.float64))[:, None, None] * \
+            self.base ** (-np.arange(half) / half)
+        cos, sin = np.cos(angles), np.sin(angles)
+
+        def rotate(a):
+            a1, a2 = a[..., :half], a[..., half:]
+            return np.concatenate([a1 * cos - a2 * sin, a1 * sin + a2 * cos], axis=-1)
+
+        return rotate(norm(q, q_norm)), rotate(norm(k, k_norm)), v

@@ -26,7 +26,7 @@ import pytest
 
 import kernel_emulation as emulation
 from vlm_serve.engine import cuda_matmul
-from vlm_serve.engine.decode import cuda_attention, cuda_norms
+from vlm_serve.engine.decode import cuda_attention, cuda_heads, cuda_norms
 
 TOOLKIT = emulation.cuda_toolkit("bin/nvcc")
 NVCC = f"{TOOLKIT}/bin/nvcc" if TOOLKIT else shutil.which("nvcc")
@@ -83,7 +83,8 @@ class Launches:
         return launch
 
 
-KERNEL_CACHES = [cuda_matmul._kernel, cuda_attention._flash_kernel, cuda_attention._kernels, cuda_norms._kernel]
+KERNEL_CACHES = [cuda_matmul._kernel, cuda_attention._flash_kernel, cuda_attention._kernels, cuda_norms._kernel,
+                 cuda_heads._kernel]
 
 
 @pytest.fixture
@@ -140,7 +141,7 @@ def test_every_matmul_kernel_compiles(launches):
 def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
     """The tensor-core prefill kernel at each head size it may take, whole and in
     chunks, masked and not; the per-query prefill kernel, masked and not; decode; the
-    parts' combination; the fused residual norm."""
+    parts' combination; the fused residual norm; a decode step's heads."""
     monkeypatch.setattr(cuda_attention, "FLASH_MAX_DIM", 512)
 
     def qkv(prompts, heads, kv_heads, length, columns, dim, dtype):
@@ -161,5 +162,9 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
         cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), 0.125)
         hidden = mx.zeros((3, 256), dtype)
         cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
-    assert len(launches.sources) >= 12
+        for dim in (80, 256):  # threads past the head's pairs, and not
+            norm = mx.zeros((dim,), dtype)
+            heads = cuda_heads.DecodeHeads(8, 4, dim, norm, norm, 1e-6, nn.RoPE(dim, base=1e6, scale=0.125))
+            heads.fused(mx.zeros((3, 16 * dim), dtype), mx.zeros((3,), mx.int32))
+    assert len(launches.sources) >= 16
     _assert_all_compile(launches.sources)

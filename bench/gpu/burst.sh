@@ -2,12 +2,16 @@
 # A burst of image requests, engine only: vlm-serve's engine against mlx-vlm's
 # batch_generate on the same random-weight model (one 896x896 image + ~64 words in,
 # greedy, $MAX_TOKENS out, $REQUESTS at once). Results (JSON) go to $OUT.
-#   OUT=DIR [WORKER_PARTS=1] [VARIANTS="default lone-towers plain-pixels"] bash bench/gpu/burst.sh [preset]
+#   OUT=DIR [WORKER_PARTS=1] [PREPROCESSED=1] [MLX_VLM=0] [VARIANTS="default lone-towers ..."] \
+#       bash bench/gpu/burst.sh [preset]
 # (default preset gemma3-4b). WORKER_PARTS=1: vlm-serve's results also say where its
-# worker's time went (bench/burst.py --worker-parts). VARIANTS: vlm-serve as it is
-# (default), with each request's images in a tower call of their own (lone-towers:
-# VLM_SERVE_SHARE_TOWERS=0), with transformers' own rescale and normalize
-# (plain-pixels: VLM_SERVE_FAST_PIXELS=0); mlx-vlm runs once after them.
+# worker's time went (bench/burst.py --worker-parts); PREPROCESSED=1: vlm-serve's engine
+# alone, every request's inputs ready before the clock (--preprocessed). VARIANTS:
+# vlm-serve as it is (default), with each request's images in a tower call of their own
+# (lone-towers: VLM_SERVE_SHARE_TOWERS=0), with transformers' own rescale and normalize
+# (plain-pixels: VLM_SERVE_FAST_PIXELS=0), with MLX's CUDA graphs on (cuda-graphs:
+# MLX_USE_CUDA_GRAPHS=1; cuda-graphs-100: also MLX_MAX_OPS_PER_BUFFER=100). mlx-vlm runs
+# once after them, unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -19,12 +23,15 @@ export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch "$ARCH" --preset "$PRESET" --out "$MODEL"
 parts=()
-[ -n "${WORKER_PARTS:-}" ] && parts=(--worker-parts)
+[ -n "${WORKER_PARTS:-}" ] && parts+=(--worker-parts)
+[ -n "${PREPROCESSED:-}" ] && parts+=(--preprocessed)
 for variant in ${VARIANTS:-default}; do
   case $variant in
     default) settings="" ;;
     lone-towers) settings="VLM_SERVE_SHARE_TOWERS=0" ;;
     plain-pixels) settings="VLM_SERVE_FAST_PIXELS=0" ;;
+    cuda-graphs) settings="MLX_USE_CUDA_GRAPHS=1" ;;
+    cuda-graphs-100) settings="MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=100" ;;
     *) echo "unknown variant: $variant" >&2; continue ;;
   esac
   name=vlm-serve${settings:+-$variant}
@@ -33,6 +40,7 @@ for variant in ${VARIANTS:-default}; do
       --max-tokens "$MAX_TOKENS" "${parts[@]}" --result-json "$OUT/burst-$name.json" > "$OUT/burst-$name.log" 2>&1
   tail -12 "$OUT/burst-$name.log"
 done
+[ "${MLX_VLM:-1}" = 0 ] && exit 0
 python3 bench/burst.py --model "$MODEL" --engine mlx-vlm --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
     --result-json "$OUT/burst-mlx-vlm.json" > "$OUT/burst-mlx-vlm.log" 2>&1
 tail -12 "$OUT/burst-mlx-vlm.log"

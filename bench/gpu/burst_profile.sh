@@ -5,7 +5,9 @@
 # py-spy with native frames (spy.raw.gz; spy-worker.txt sums the worker thread's samples
 # in the served turns, not the warm-up's), and the pixels' host-to-device cost
 # (host_to_device.txt). Needs py-spy (EXTRA_WHEELS="py-spy" in the device setup).
-#   OUT=DIR bash bench/gpu/burst_profile.sh [preset]
+#   OUT=DIR [RATE=50] bash bench/gpu/burst_profile.sh [preset]
+# (RATE: py-spy samples a second; native frames make each sample slow, and at 200 the
+# burst ran 5x slower)
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -20,7 +22,7 @@ burst=(python3 bench/burst.py --model "$MODEL" --engine vlm-serve --preprocessed
 "${burst[@]}" --worker-parts --timeline "$OUT/timeline.json" --result-json "$OUT/burst-parts.json" \
     > "$OUT/burst-parts.log" 2>&1
 grep -E '"(wall_s|ttft_max_s)"' "$OUT/burst-parts.log"
-py-spy record --native --idle --threads --format raw -r 200 -o "$OUT/spy.raw" -- \
+py-spy record --native --idle --threads --format raw -r "${RATE:-50}" -o "$OUT/spy.raw" -- \
     "${burst[@]}" --result-json "$OUT/burst-spy.json" > "$OUT/burst-spy.log" 2>&1
 python3 bench/pyspy_summary.py "$OUT/spy.raw" --thread mlx-worker --within Scheduler.run \
     --without Scheduler.run_to_completion --top 60 > "$OUT/spy-worker.txt"

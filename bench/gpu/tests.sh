@@ -3,7 +3,7 @@
 # (one process each: the GPU and 16 cores take four at once, and MLX compiles each kernel
 # variant on first use, 5-10 s apiece, on as many cores):
 #   PART="attention matmul" OUT=DIR bash bench/gpu/tests.sh
-# Parts: attention, matmul (the kernels' own tests), shared (long prompts in shared
+# Parts: attention, matmul, norms (the kernels' own tests), shared (long prompts in shared
 # passes), families (every family batched against alone, float weights, but for
 # shared's cases: give it shared beside it), families-q4 (the same for the 4-bit
 # models: where the quantized check refuses them, each test skips with its message
@@ -32,6 +32,7 @@ tests_of() {
   case $1 in
     attention) echo tests/test_cuda_attention.py ;;
     matmul) echo tests/test_cuda_matmul.py ;;
+    norms) echo tests/test_cuda_norms.py tests/test_cuda_heads.py ;;
     shared) echo tests/test_families.py -k long_prompts_in_shared ;;
     families) echo tests/test_families.py -k '"not long_prompts_in_shared and not q4"' ;;
     families-q4) echo tests/test_families.py -k '"q4 and not long_prompts_in_shared"' ;;

@@ -24,7 +24,9 @@ from .cuda_attention import available
 
 THREADS = 256
 
-_HEADER = """
+# A block's sum of one float a thread, in the same order whatever the launch (a
+# device function, for the kernels' headers: this one's and ``cuda_heads``').
+BLOCK_SUM = """
 template <int THREADS>
 __device__ __forceinline__ float block_sum(float x, float* shared) {
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -92,7 +94,7 @@ def _kernel(eps: float):
         input_names=["x", "r", "w_after", "w_next"],
         output_names=["h", "n"],
         source=_SOURCE,
-        header=_HEADER + define,
+        header=BLOCK_SUM + define,
     )
 
 

@@ -7,7 +7,8 @@ query/key/value projections are one matmul and gate/up another (their weights fu
 load, the model's own projections left as views of the fused weights), activations stay
 2-D and single-token head transposes are reshapes. On CUDA each residual add and the
 norms on either side of it run as one kernel (``cuda_norms``): the step's last norm of a
-layer is the next layer's input norm.
+layer is the next layer's input norm; so do the query and key heads' norms and rotation
+(``cuda_heads``).
 
 Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
 own masks, caches and attention, and the output layer on the last position only: on
@@ -30,6 +31,7 @@ from mlx_vlm.models.gemma3.language import clip_residual
 
 from .attention import attend, prefill_attend
 from .cuda_attention import key_origin
+from .cuda_heads import DecodeHeads
 from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
@@ -127,6 +129,8 @@ class _Layer:
         self.q_norm = 1.0 + attn.q_norm.weight
         self.k_norm = 1.0 + attn.k_norm.weight
         self.qkv, self.qkv_split = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.heads = DecodeHeads(attn.n_heads, attn.n_kv_heads, attn.head_dim, self.q_norm, self.k_norm, eps,
+                                 attn.rope)
         self.gate_up, self.gate_up_split = fuse_linears([block.mlp.gate_proj, block.mlp.up_proj])
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(block.mlp.down_proj)
@@ -140,14 +144,8 @@ class _Layer:
         """One decode step of the layer: ``x`` its input and ``normed`` the input's
         norm; returns its output and that output's norm by ``next_norm``."""
         attn = self.attn
-        B = x.shape[0]
-        q, k, v = mx.split(self.qkv(normed), self.qkv_split, axis=-1)
-        # One token per row: (B, heads * dim) is (B, heads, 1, dim) without a transpose.
-        q = mx.fast.rms_norm(q.reshape(B, attn.n_heads, 1, -1), self.q_norm, self.eps)
-        k = mx.fast.rms_norm(k.reshape(B, attn.n_kv_heads, 1, -1), self.k_norm, self.eps)
-        v = v.reshape(B, attn.n_kv_heads, 1, -1)
-        q = attn.rope(q, offset=positions)
-        k = attn.rope(k, offset=positions)
+        # The heads' norms and rotation: one kernel on CUDA.
+        q, k, v = self.heads(self.qkv(normed), positions)
         keys, values = write(index, k, v)
         r = self.o_proj(attend(q, keys, values, attn.scale, visible))
         # Each residual add and the norms on either side of it: one kernel on CUDA.
