@@ -316,8 +316,8 @@ extern "C" void decode_rows(const void* q, int slots, const void* k, const void*
 
 
 class Heads:
-    """``cuda_heads``' kernel for bfloat16: a decode step's query, key and value heads
-    from the fused projection's output, launched as ``DecodeHeads.fused`` does."""
+    """``cuda_heads``' kernel for bfloat16: a layer's query, key and value heads from the
+    fused projection's output, launched as ``AttentionHeads.fused`` does."""
 
     def __init__(self, heads: int, kv_heads: int, dim: int, eps: float, base: float, scale: float):
         self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
@@ -329,39 +329,46 @@ class Heads:
 {cuda_norms.BLOCK_SUM}
 {defines}
 template <typename T, int H, int KV, int D, int HALF, int THREADS>
-void heads(const T* qkv, const T* q_norm, const T* k_norm, const int32_t* positions, T* q, T* k, T* v) {{
+void heads(const T* qkv, const int* qkv_shape, const T* q_norm, const T* k_norm, const int32_t* starts,
+           const int* starts_shape, T* q, T* k, T* v) {{
 {cuda_heads._SOURCE}
 }}
-extern "C" void run(const void* qkv, int rows, const void* q_norm, const void* k_norm, const int32_t* positions,
-                    void* q, void* k, void* v) {{
-  launch({{{heads + 2 * kv_heads}, (unsigned)rows, 1}}, {{{threads}, 1, 1}}, [&] {{
+extern "C" void run(const void* qkv, int tokens, const void* q_norm, const void* k_norm, const int32_t* starts,
+                    int rows, void* q, void* k, void* v) {{
+  int qkv_shape[2] = {{tokens, {(heads + 2 * kv_heads) * dim}}}, starts_shape[1] = {{rows}};
+  launch({{(unsigned)tokens, {heads + 2 * kv_heads}, 1}}, {{{threads}, 1, 1}}, [&] {{
     heads<{BF16}, {heads}, {kv_heads}, {dim}, {dim // 2}, {threads}>(
-        (const {BF16}*)qkv, (const {BF16}*)q_norm, (const {BF16}*)k_norm, positions,
+        (const {BF16}*)qkv, qkv_shape, (const {BF16}*)q_norm, (const {BF16}*)k_norm, starts, starts_shape,
         ({BF16}*)q, ({BF16}*)k, ({BF16}*)v); }});
 }}
 """)
 
-    def __call__(self, qkv, q_norm, k_norm, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(q, k, v) bfloat16 bits, (rows, heads, dim) each."""
+    def __call__(self, qkv, q_norm, k_norm, starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, k, v) bfloat16 bits, (rows, heads, length, dim) each: ``qkv`` holds
+        ``length`` tokens of each row of ``starts`` (each row's first position)."""
         qkv = np.ascontiguousarray(qkv)
-        rows = qkv.shape[0]
-        q, k, v = (np.zeros((rows, n, self.dim), np.uint16) for n in (self.heads, self.kv_heads, self.kv_heads))
-        self.lib.run(_ptr(qkv), ctypes.c_int(rows), _ptr(np.ascontiguousarray(q_norm)),
-                     _ptr(np.ascontiguousarray(k_norm)), _ptr(np.ascontiguousarray(positions, np.int32)),
-                     _ptr(q), _ptr(k), _ptr(v))
+        tokens, rows = qkv.shape[0], len(starts)
+        length = tokens // rows
+        q, k, v = (np.zeros((rows, n, length, self.dim), np.uint16)
+                   for n in (self.heads, self.kv_heads, self.kv_heads))
+        self.lib.run(_ptr(qkv), ctypes.c_int(tokens), _ptr(np.ascontiguousarray(q_norm)),
+                     _ptr(np.ascontiguousarray(k_norm)), _ptr(np.ascontiguousarray(starts, np.int32)),
+                     ctypes.c_int(rows), _ptr(q), _ptr(k), _ptr(v))
         return q, k, v
 
-    def reference(self, qkv, q_norm, k_norm, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def reference(self, qkv, q_norm, k_norm, starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The same in float64 (from the bfloat16 inputs): RMSNorm, then the rotation."""
-        x = from_bf16(qkv).astype(np.float64).reshape(qkv.shape[0], -1, self.dim)
+        rows = len(starts)
+        length = qkv.shape[0] // rows
+        x = from_bf16(qkv).astype(np.float64).reshape(rows, length, -1, self.dim).transpose(0, 2, 1, 3)
         q, k, v = np.split(x, [self.heads, self.heads + self.kv_heads], axis=1)
 
         def norm(a, w):
             return a / np.sqrt((a * a).mean(-1, keepdims=True) + self.eps) * from_bf16(w)
 
         half = self.dim // 2
-        angles = (self.scale * np.asarray(positions, np.float64))[:, None, None] * \
-            self.base ** (-np.arange(half) / half)
+        positions = np.asarray(starts, np.float64)[:, None] + np.arange(length)  # (rows, length)
+        angles = (self.scale * positions)[:, None, :, None] * self.base ** (-np.arange(half) / half)
         cos, sin = np.cos(angles), np.sin(angles)
 
         def rotate(a):

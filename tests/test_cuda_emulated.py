@@ -178,22 +178,28 @@ def test_decode_attention_takes_each_rows_own_keys(attention):
     assert np.array_equal(alone, out[2:3])
 
 
-def test_decode_heads_are_normed_and_rotated_and_alone_the_same():
-    """Query and key heads RMS-normalized and rotated at each row's position (Gemma 3's
-    local and global rotary settings), value heads as they are: close to float64, and a
-    row's bits the same alone as in its batch."""
+def test_attention_heads_are_normed_and_rotated_alike_in_steps_and_passes():
+    """Query and key heads RMS-normalized and rotated at each token's position (Gemma 3's
+    local and global rotary settings), value heads as they are: close to float64, in a
+    decode step (one token a row) and in a pass (several); a row's bits the same alone
+    as in its batch, and a token's the same in a step as in a pass."""
     rng = np.random.default_rng(3)
     heads, kv_heads, dim = 4, 2, 64
     for base, scale in ((10_000.0, 1.0), (1_000_000.0, 0.125)):
         kernel = emulation.Heads(heads, kv_heads, dim, 1e-6, base, scale)
-        qkv = _bf16(rng, 5, (heads + 2 * kv_heads) * dim, scale=3.0)
         q_norm, k_norm = (emulation.to_bf16(1.0 + 0.1 * rng.standard_normal(dim)) for _ in range(2))
-        positions = np.array([0, 7, 300, 4095, 131_000], np.int32)
-        q, k, v = kernel(qkv, q_norm, k_norm, positions)
-        want_q, want_k, want_v = kernel.reference(qkv, q_norm, k_norm, positions)
-        for got, want in ((q, want_q), (k, want_k)):
-            np.testing.assert_allclose(emulation.from_bf16(got), want, atol=3e-2, rtol=2e-2)
-        assert np.array_equal(emulation.from_bf16(v), want_v)
-        for row in (0, 4):
-            alone = kernel(qkv[row:row + 1], q_norm, k_norm, positions[row:row + 1])
-            assert all(np.array_equal(a[0], b[row]) for a, b in zip(alone, (q, k, v))), f"row {row} alone"
+        starts = np.array([0, 7, 300, 4095, 131_000], np.int32)
+        for length in (1, 3):
+            qkv = _bf16(rng, len(starts) * length, (heads + 2 * kv_heads) * dim, scale=3.0)
+            got = kernel(qkv, q_norm, k_norm, starts)
+            want = kernel.reference(qkv, q_norm, k_norm, starts)
+            for ours, exact in zip(got[:2], want[:2]):
+                np.testing.assert_allclose(emulation.from_bf16(ours), exact, atol=3e-2, rtol=2e-2)
+            assert np.array_equal(emulation.from_bf16(got[2]), want[2])
+            for row in (0, 4):
+                alone = kernel(qkv[row * length:(row + 1) * length], q_norm, k_norm, starts[row:row + 1])
+                assert all(np.array_equal(a[0], b[row]) for a, b in zip(alone, got)), f"row {row} alone"
+            if length > 1:  # the pass's last token of row 2, as a step at its position
+                token = 2 * length + length - 1
+                step = kernel(qkv[token:token + 1], q_norm, k_norm, starts[2:3] + length - 1)
+                assert all(np.array_equal(a[0, :, 0], b[2, :, -1]) for a, b in zip(step, got)), "step vs pass"

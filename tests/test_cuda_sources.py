@@ -164,7 +164,7 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
         cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
         for dim in (80, 256):  # threads past the head's pairs, and not
             norm = mx.zeros((dim,), dtype)
-            heads = cuda_heads.DecodeHeads(8, 4, dim, norm, norm, 1e-6, nn.RoPE(dim, base=1e6, scale=0.125))
-            heads.fused(mx.zeros((3, 16 * dim), dtype), mx.zeros((3,), mx.int32))
+            heads = cuda_heads.AttentionHeads(8, 4, dim, norm, norm, 1e-6, nn.RoPE(dim, base=1e6, scale=0.125))
+            heads.fused(mx.zeros((6, 16 * dim), dtype), mx.zeros((3,), mx.int32), length=2)
     assert len(launches.sources) >= 16
     _assert_all_compile(launches.sources)

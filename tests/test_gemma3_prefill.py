@@ -3,8 +3,8 @@
 code, run on a separately loaded copy of the model whose weights were never fused, to
 the bit on the CPU. This holds for a prompt in one pass and in two, below and past the
 sliding window, in float32 and in 4-bit, and for a pass that stacks two prompts. On
-CUDA, short passes take the engine's own attention kernel, which rounds otherwise than
-MLX's composed attention: there they agree within float32 rounding.
+CUDA, passes take the engine's own attention and heads kernels, which round otherwise
+than MLX's composed attention and its norms: there they agree within float32 rounding.
 
 The token ids stay inside the tiny fixture's vocabulary: ids past it read outside the
 embedding table, which gives garbage that changes from run to run.

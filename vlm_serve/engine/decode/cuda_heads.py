@@ -1,18 +1,22 @@
-"""A decode step's query, key and value heads as one CUDA kernel (MLX's ops elsewhere).
+"""A layer's query, key and value heads as one CUDA kernel, in decode steps and prefill
+passes (MLX's ops elsewhere).
 
 Gemma 3 takes its heads from the fused query/key/value projection (``fused.py``): it
-RMS-normalizes each query and key head, rotates both by the row's position, and keeps
+RMS-normalizes each query and key head, rotates both by the token's position, and keeps
 the value heads as they are. With MLX's ops that is six kernels a layer, the two norms
-each preceded by a copy (their input is a column slice, and MLX's RMSNorm wants rows
-with no gaps). On CUDA a decode step's cost is mostly the host launching its kernels one
-by one, so here it is one kernel: 34 layers of Gemma 3 4B, 170 launches fewer a step.
+each preceded by a copy (their input is a column slice, or a pass's transposed view,
+and MLX's RMSNorm wants rows with no gaps), and a pass's values are copied out of their
+view as the cache takes them. On CUDA the host launching kernels one by one is most of
+a decode step's cost and much of a pass's, so here it is one kernel: 34 layers of Gemma
+3 4B, 170 launches fewer a step or a pass. It writes the heads as attention and the
+caches take them: (rows, heads, tokens, head_dim).
 
-One block per (row, head), its threads each taking one pair of rotated elements: a
-head's sum of squares is added in the same order whatever else is in the batch, so a
-row gets the same bits batched as alone (``tests/test_cuda_heads.py``, on a CUDA
-machine; ``tests/test_cuda_emulated.py`` on the CPU). The arithmetic is MLX's: the norm
-in float32, rounded to the input's dtype before the weight multiplies it, as MLX's
-RMSNorm does; then MLX's rotary angles and rotation in float32.
+One block per (token, head), its threads each taking one pair of rotated elements: a
+head's sum of squares is added in the same order whatever else is in the batch or the
+pass, so a token's heads get the same bits batched as alone (``tests/
+test_cuda_heads.py``, on a CUDA machine; ``tests/test_cuda_emulated.py`` on the CPU). The arithmetic is MLX's: the norm in float32,
+rounded to the input's dtype before the weight multiplies it, as MLX's RMSNorm does;
+then MLX's rotary angles and rotation in float32.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ from .cuda_attention import available
 from .cuda_norms import BLOCK_SUM
 
 _SOURCE = """
-  const int head = blockIdx.x, row = blockIdx.y, i = threadIdx.x;
-  const size_t in = ((size_t)row * (H + 2 * KV) + head) * D;
+  // Block (token, head); token = b * L + l: row b's l-th token of the pass.
+  const int token = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
+  const int L = qkv_shape[0] / starts_shape[0];
+  const int b = token / L, l = token % L;
+  const size_t in = ((size_t)token * (H + 2 * KV) + head) * D;
   const bool mine = i < HALF;
   if (head >= H + KV) {  // a value head: as it is
-    const size_t out = ((size_t)row * KV + head - H - KV) * D;
+    const size_t out = (((size_t)b * KV + head - H - KV) * L + l) * D;
     if (mine) {
       v[out + i] = qkv[in + i];
       v[out + i + HALF] = qkv[in + i + HALF];
@@ -48,30 +55,30 @@ _SOURCE = """
   const T* w = query ? q_norm : k_norm;
   const float n1 = static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(x1 * inv));
   const float n2 = static_cast<float>(w[i + HALF]) * static_cast<float>(static_cast<T>(x2 * inv));
-  const float a = static_cast<float>(static_cast<T>(n1)), b = static_cast<float>(static_cast<T>(n2));
+  const float y1 = static_cast<float>(static_cast<T>(n1)), y2 = static_cast<float>(static_cast<T>(n2));
   const float inv_freq = exp2f(-(static_cast<float>(i) / static_cast<float>(HALF)) * LOG2_BASE);
-  const float theta = (ROPE_SCALE * static_cast<float>(positions[row])) * inv_freq;
+  const float theta = (ROPE_SCALE * static_cast<float>(starts[b] + l)) * inv_freq;
   const float c = cosf(theta), s = sinf(theta);
-  T* out = query ? q + ((size_t)row * H + head) * D : k + ((size_t)row * KV + head - H) * D;
-  out[i] = static_cast<T>(a * c - b * s);
-  out[i + HALF] = static_cast<T>(a * s + b * c);
+  T* out = query ? q + (((size_t)b * H + head) * L + l) * D : k + (((size_t)b * KV + head - H) * L + l) * D;
+  out[i] = static_cast<T>(y1 * c - y2 * s);
+  out[i + HALF] = static_cast<T>(y1 * s + y2 * c);
 """
 
 
 def fits(rope, head_dim: int, dtype) -> bool:
-    """Whether ``DecodeHeads`` runs as the kernel: on CUDA, for MLX's plain RoPE over
+    """Whether ``AttentionHeads`` runs as the kernel: on CUDA, for MLX's plain RoPE over
     whole heads (not the traditional pairing) and the dtypes the kernel is built for."""
     return (available() and dtype in (mx.bfloat16, mx.float32) and type(rope) is nn.RoPE
             and rope.dims == head_dim and not rope.traditional and head_dim % 2 == 0
             and head_dim // 2 <= 1024)
 
 
-class DecodeHeads:
-    """``(qkv, positions) -> (q, k, v)``: from the fused projection's output (rows,
-    (heads + 2 * kv_heads) * head_dim), the query heads (rows, heads, 1, head_dim) and
-    key heads RMS-normalized by ``q_norm`` / ``k_norm`` (full weights) and rotated by
-    ``rope`` at each row's position in ``positions`` (rows,); the value heads as they
-    are. One kernel where it ``fits``, else MLX's ops."""
+class AttentionHeads:
+    """A layer's query, key and value heads from its fused projection's output (tokens,
+    (heads + 2 * kv_heads) * head_dim): the query and key heads RMS-normalized by
+    ``q_norm`` / ``k_norm`` (full weights) and rotated by ``rope``, the value heads as
+    they are. A decode step's (``__call__``) and, where the kernel ``fits``, a prefill
+    pass's (``fused`` with ``length``)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, q_norm: mx.array, k_norm: mx.array,
                  eps: float, rope):
@@ -79,8 +86,13 @@ class DecodeHeads:
         self.q_norm, self.k_norm, self.eps, self.rope = q_norm, k_norm, eps, rope
         self.split = [heads * head_dim, (heads + kv_heads) * head_dim]
 
+    def fits(self, dtype) -> bool:
+        return fits(self.rope, self.head_dim, dtype)
+
     def __call__(self, qkv: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        if fits(self.rope, self.head_dim, qkv.dtype):
+        """A decode step's heads, (rows, heads, 1, head_dim) each, at each row's position
+        in ``positions`` (rows,): the kernel where it ``fits``, else MLX's ops."""
+        if self.fits(qkv.dtype):
             return self.fused(qkv, positions)
         B = qkv.shape[0]
         q, k, v = mx.split(qkv, self.split, axis=-1)
@@ -90,16 +102,19 @@ class DecodeHeads:
         return (self.rope(q, offset=positions), self.rope(k, offset=positions),
                 v.reshape(B, self.kv_heads, 1, -1))
 
-    def fused(self, qkv: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """``__call__`` as the kernel (CUDA only)."""
-        rows, D = qkv.shape[0], self.head_dim
+    def fused(self, qkv: mx.array, starts: mx.array, length: int = 1) -> tuple[mx.array, mx.array, mx.array]:
+        """The kernel (CUDA only) over ``length`` tokens a row: ``qkv`` holds row ``b``'s
+        tokens at ``b * length ...``, at positions ``starts[b]`` (int32, (rows,)) on.
+        Returns (rows, heads, length, head_dim) each."""
+        tokens, D = qkv.shape[0], self.head_dim
+        rows = tokens // length
         threads = -(-(D // 2) // 32) * 32
-        shapes = [(rows, n, 1, D) for n in (self.heads, self.kv_heads, self.kv_heads)]
+        shapes = [(rows, n, length, D) for n in (self.heads, self.kv_heads, self.kv_heads)]
         return tuple(_kernel(self.eps, math.log2(self.rope.base), self.rope.scale)(
-            inputs=[qkv, self.q_norm, self.k_norm, positions],
+            inputs=[qkv, self.q_norm, self.k_norm, starts],
             template=[("T", qkv.dtype), ("H", self.heads), ("KV", self.kv_heads), ("D", D),
                       ("HALF", D // 2), ("THREADS", threads)],
-            grid=(threads * (self.heads + 2 * self.kv_heads), rows, 1),
+            grid=(threads * tokens, self.heads + 2 * self.kv_heads, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=shapes,
             output_dtypes=[qkv.dtype] * 3,
@@ -111,8 +126,8 @@ def _kernel(eps: float, log2_base: float, scale: float):
     constants = [kernel_constant(name, value) for name, value in
                  (("EPS", eps), ("LOG2_BASE", log2_base), ("ROPE_SCALE", scale))]
     return mx.fast.cuda_kernel(
-        name="vlm_decode_heads_" + "_".join(tag for _, tag in constants),
-        input_names=["qkv", "q_norm", "k_norm", "positions"],
+        name="vlm_attention_heads_" + "_".join(tag for _, tag in constants),
+        input_names=["qkv", "q_norm", "k_norm", "starts"],
         output_names=["q", "k", "v"],
         source=_SOURCE,
         header=BLOCK_SUM + "".join(define for define, _ in constants),

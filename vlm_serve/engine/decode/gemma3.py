@@ -8,7 +8,7 @@ load, the model's own projections left as views of the fused weights), activatio
 2-D and single-token head transposes are reshapes. On CUDA each residual add and the
 norms on either side of it run as one kernel (``cuda_norms``): the step's last norm of a
 layer is the next layer's input norm; so do the query and key heads' norms and rotation
-(``cuda_heads``).
+(``cuda_heads``, in prefill passes too).
 
 Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
 own masks, caches and attention, and the output layer on the last position only: on
@@ -31,7 +31,7 @@ from mlx_vlm.models.gemma3.language import clip_residual
 
 from .attention import attend, prefill_attend
 from .cuda_attention import key_origin
-from .cuda_heads import DecodeHeads
+from .cuda_heads import AttentionHeads
 from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
@@ -70,8 +70,12 @@ class Gemma3Decoder(StepDecoder):
             if kind.window not in attends:
                 attends[kind.window] = self._pass_attention(h, layer_cache, kind.window)
         h = h.reshape(B * L, hidden)
+        # Where the heads take the engine's kernel: every row's first position in the pass.
+        offset = cache[0].offset
+        starts = (mx.full((B,), offset, mx.int32)
+                  if isinstance(offset, int) and self.layers[0].heads.fits(h.dtype) else None)
         for layer, kind, layer_cache in zip(self.layers, self.layer_kinds, cache):
-            h = layer.prefill(h, B, L, layer_cache, attends[kind.window])
+            h = layer.prefill(h, B, L, layer_cache, attends[kind.window], starts)
         h = h.reshape(B, L, hidden)
         if last is None:
             return h[:, -1, :]
@@ -129,7 +133,7 @@ class _Layer:
         self.q_norm = 1.0 + attn.q_norm.weight
         self.k_norm = 1.0 + attn.k_norm.weight
         self.qkv, self.qkv_split = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.heads = DecodeHeads(attn.n_heads, attn.n_kv_heads, attn.head_dim, self.q_norm, self.k_norm, eps,
+        self.heads = AttentionHeads(attn.n_heads, attn.n_kv_heads, attn.head_dim, self.q_norm, self.k_norm, eps,
                                  attn.rope)
         self.gate_up, self.gate_up_split = fuse_linears([block.mlp.gate_proj, block.mlp.up_proj])
         self.o_proj = StepLinear(attn.o_proj)
@@ -155,18 +159,23 @@ class _Layer:
         r = self.down_proj(_gelu_times(gate, up))
         return add_norm(h, r, self.norms["post_feedforward_layernorm"], next_norm, self.eps, clip_residual)
 
-    def prefill(self, x: mx.array, B: int, L: int, cache, attention) -> mx.array:
+    def prefill(self, x: mx.array, B: int, L: int, cache, attention, starts: mx.array | None) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
         ``TransformerBlock`` on the fused weights); ``attention`` its pass's, for the
-        layer's kind (``Gemma3Decoder._pass_attention``)."""
+        layer's kind (``Gemma3Decoder._pass_attention``); ``starts`` each row's first
+        position where the heads take the engine's kernel, else None (mlx-vlm's ops)."""
         attn = self.attn
         x = clip_residual(x)
-        q, k, v = self._qkv(x)
-        q = mx.fast.rms_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3), self.q_norm, self.eps)
-        k = mx.fast.rms_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3), self.k_norm, self.eps)
-        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = attn.rope(q, offset=cache.offset)
-        k = attn.rope(k, offset=cache.offset)
+        if starts is not None:
+            q, k, v = self.heads.fused(self.qkv(self.norm("input_layernorm", x)), starts, L)
+        else:
+            q, k, v = self._qkv(x)
+            q = mx.fast.rms_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3), self.q_norm, self.eps)
+            k = mx.fast.rms_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3), self.k_norm,
+                                 self.eps)
+            v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            q = attn.rope(q, offset=cache.offset)
+            k = attn.rope(k, offset=cache.offset)
         keys, values = cache.update_and_fetch(k, v)
         return self._after_attention(x, self.o_proj(attention(q, keys, values, cache)))
 
