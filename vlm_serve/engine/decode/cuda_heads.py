@@ -5,10 +5,9 @@ Gemma 3 takes its heads from the fused query/key/value projection (``fused.py``)
 RMS-normalizes each query and key head, rotates both by the token's position, and keeps
 the value heads as they are. With MLX's ops that is six kernels a layer, the two norms
 each preceded by a copy (their input is a column slice, or a pass's transposed view,
-and MLX's RMSNorm wants rows with no gaps), and a pass's values are copied out of their
-view as the cache takes them. On CUDA the host launching kernels one by one is most of
-a decode step's cost and much of a pass's, so here it is one kernel: 34 layers of Gemma
-3 4B, 170 launches fewer a step or a pass. It writes the heads as attention and the
+and MLX's RMSNorm wants rows with no gaps). On CUDA the host launching kernels one by
+one is most of a decode step's cost and much of a pass's, so here it is one kernel: 34
+layers of Gemma 3 4B, 170 launches fewer a step or a pass. It writes the heads as attention and the
 caches take them: (rows, heads, tokens, head_dim).
 
 One block per (token, head), its threads each taking one pair of rotated elements: a
