@@ -4,18 +4,19 @@ passes (MLX's ops elsewhere).
 Gemma 3 takes its heads from the fused query/key/value projection (``fused.py``): it
 RMS-normalizes each query and key head, rotates both by the token's position, and keeps
 the value heads as they are. With MLX's ops that is six kernels a layer, the two norms
-each preceded by a copy (their input is a column slice, or a pass's transposed view,
-and MLX's RMSNorm wants rows with no gaps). On CUDA the host launching kernels one by
-one is most of a decode step's cost and much of a pass's, so here it is one kernel: 34
-layers of Gemma 3 4B, 170 launches fewer a step or a pass. It writes the heads as attention and the
-caches take them: (rows, heads, tokens, head_dim).
+each preceded by a copy (their input is a column slice, or a pass's transposed view, and
+MLX's RMSNorm wants rows with no gaps). On CUDA the host launching kernels one by one is
+most of a decode step's cost and much of a pass's, so here it is one kernel: 34 layers
+of Gemma 3 4B, 170 launches fewer a step or a pass. It writes the heads as attention and
+the caches take them: (rows, heads, tokens, head_dim).
 
 One block per (token, head), its threads each taking one pair of rotated elements: a
 head's sum of squares is added in the same order whatever else is in the batch or the
-pass, so a token's heads get the same bits batched as alone (``tests/
-test_cuda_heads.py``, on a CUDA machine; ``tests/test_cuda_emulated.py`` on the CPU). The arithmetic is MLX's: the norm in float32,
-rounded to the input's dtype before the weight multiplies it, as MLX's RMSNorm does;
-then MLX's rotary angles and rotation in float32.
+pass, so a token's heads get the same bits batched as alone
+(``tests/test_cuda_heads.py``, on a CUDA machine; ``tests/test_cuda_emulated.py`` on the
+CPU). The arithmetic is MLX's: the norm in float32, rounded to the input's dtype before
+the weight multiplies it, as MLX's RMSNorm does; then MLX's rotary angles and rotation
+in float32.
 """
 
 from __future__ import annotations
