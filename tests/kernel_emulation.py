@@ -376,3 +376,45 @@ extern "C" void run(const void* qkv, int tokens, const void* q_norm, const void*
             return np.concatenate([a1 * cos - a2 * sin, a1 * sin + a2 * cos], axis=-1)
 
         return rotate(norm(q, q_norm)), rotate(norm(k, k_norm)), v
+
+
+# -- the residual add between two norms ---------------------------------------------------
+
+
+class AddNorm:
+    """``cuda_norms``' kernel for bfloat16 rows of ``hidden``, launched as
+    ``cuda_norms.fused_add_norm`` does."""
+
+    def __init__(self, hidden: int, eps: float):
+        self.hidden, self.eps = hidden, eps
+        threads = cuda_norms.THREADS
+        self.lib = build(f"""#include "cuda_emulator.h"
+{cuda_norms.BLOCK_SUM}
+{kernel_constant("EPS", eps)[0]}
+template <typename T, int H, int THREADS>
+void add_norm(const T* x, const T* r, const T* w_after, const T* w_next, T* h, T* n) {{
+{cuda_norms._SOURCE}
+}}
+extern "C" void run(const void* x, const void* r, int rows, const void* w_after, const void* w_next, void* h,
+                    void* n) {{
+  launch({{(unsigned)rows, 1, 1}}, {{{threads}, 1, 1}}, [&] {{
+    add_norm<{BF16}, {hidden}, {threads}>((const {BF16}*)x, (const {BF16}*)r, (const {BF16}*)w_after,
+                                          (const {BF16}*)w_next, ({BF16}*)h, ({BF16}*)n); }});
+}}
+""")
+
+    def __call__(self, x, r, w_after, w_next) -> tuple[np.ndarray, np.ndarray]:
+        """(h, n) bfloat16 bits, (rows, hidden) each."""
+        x, r = np.ascontiguousarray(x), np.ascontiguousarray(r)
+        h, n = (np.zeros(x.shape, np.uint16) for _ in range(2))
+        self.lib.run(_ptr(x), _ptr(r), ctypes.c_int(x.shape[0]), _ptr(np.ascontiguousarray(w_after)),
+                     _ptr(np.ascontiguousarray(w_next)), _ptr(h), _ptr(n))
+        return h, n
+
+    def reference(self, x, r, w_after, w_next) -> tuple[np.ndarray, np.ndarray]:
+        """The same in float64 (from the bfloat16 inputs)."""
+        def norm(a, w):
+            return a / np.sqrt((a * a).mean(-1, keepdims=True) + self.eps) * from_bf16(w)
+
+        h = from_bf16(x).astype(np.float64) + norm(from_bf16(r).astype(np.float64), w_after)
+        return h, norm(h, w_next)

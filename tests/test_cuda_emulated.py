@@ -203,3 +203,20 @@ def test_attention_heads_are_normed_and_rotated_alike_in_steps_and_passes():
                 token = 2 * length + length - 1
                 step = kernel(qkv[token:token + 1], q_norm, k_norm, starts[2:3] + length - 1)
                 assert all(np.array_equal(a[0, :, 0], b[2, :, -1]) for a, b in zip(step, got)), "step vs pass"
+
+
+def test_add_norm_is_close_and_gives_a_row_alone_its_bits():
+    """The residual add between two RMSNorms, a row per block (a decode step's rows or a
+    pass's tokens): close to float64, and a row's bits the same alone as among others."""
+    rng = np.random.default_rng(4)
+    hidden = 640
+    kernel = emulation.AddNorm(hidden, 1e-6)
+    x, r = _bf16(rng, 6, hidden, scale=4.0), _bf16(rng, 6, hidden)
+    w_after, w_next = (emulation.to_bf16(1.0 + 0.1 * rng.standard_normal(hidden)) for _ in range(2))
+    h, n = kernel(x, r, w_after, w_next)
+    want_h, want_n = kernel.reference(x, r, w_after, w_next)
+    np.testing.assert_allclose(emulation.from_bf16(h), want_h, atol=5e-2, rtol=2e-2)
+    np.testing.assert_allclose(emulation.from_bf16(n), want_n, atol=5e-2, rtol=2e-2)
+    for row in (0, 5):
+        alone = kernel(x[row:row + 1], r[row:row + 1], w_after, w_next)
+        assert np.array_equal(alone[0][0], h[row]) and np.array_equal(alone[1][0], n[row]), f"row {row} alone"

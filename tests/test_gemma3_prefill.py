@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx_vlm import load as vlm_load
 
+from vlm_serve.engine.decode import cuda_heads, cuda_norms
 from vlm_serve.engine.decode.attention import uses_kernels
 from vlm_serve.engine.families import family_for
 from vlm_serve.engine.prefill import prefill_pass
@@ -73,6 +74,49 @@ def test_prefill_on_fused_weights_equals_the_model_code(bits):
             assert got.shape == (rows.shape[0], vocab)
             gap = mx.abs(got - expected).max().item()
             assert _agree(got, expected), (bits, length, chunks, rows.shape, gap)
+
+
+def _heads_by_mlx_ops(self, qkv, starts, length=1):
+    """``AttentionHeads.fused`` as MLX's ops, as the model code runs them."""
+    rows = qkv.shape[0] // length
+    q, k, v = mx.split(qkv, self.split, axis=-1)
+
+    def heads(a, count, norm):
+        a = a.reshape(rows, length, count, -1).transpose(0, 2, 1, 3)
+        return a if norm is None else self.rope(mx.fast.rms_norm(a, norm, self.eps), offset=starts[0].item())
+
+    return heads(q, self.heads, self.q_norm), heads(k, self.kv_heads, self.k_norm), heads(v, self.kv_heads, None)
+
+
+def _add_norm_by_mlx_ops(x, r, w_after, w_next, eps):
+    """``cuda_norms.fused_add_norm`` as MLX's ops, as the model code runs them."""
+    h = x + mx.fast.rms_norm(r, w_after, eps)
+    return h, mx.fast.rms_norm(h, w_next, eps)
+
+
+@pytest.mark.skipif(uses_kernels(), reason="the kernels themselves run there (the tests above)")
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_pass_laid_out_as_on_cuda_equals_the_model_code(monkeypatch, bits):
+    """On CUDA a pass runs its layers as the decode step does: the heads and the residual
+    norms as the engine's kernels, each layer handing the next its input's norm. Those
+    kernels cannot run here, so MLX's own ops (the model code's) stand in for them: the
+    pass around them then gives the model code's logits to the bit, in one pass and in
+    two, for one prompt and two stacked."""
+    monkeypatch.setattr(cuda_heads.AttentionHeads, "fits", lambda self, dtype: True)
+    monkeypatch.setattr(cuda_heads.AttentionHeads, "fused", _heads_by_mlx_ops)
+    monkeypatch.setattr(cuda_norms, "fits", lambda x: True)
+    monkeypatch.setattr(cuda_norms, "fused_add_norm", _add_norm_by_mlx_ops)
+    path = cached_model("gemma3", bits=bits)
+    skip_where_refused(str(path))
+    reference, _ = vlm_load(str(path))
+    model, _ = vlm_load(str(path))
+    family = family_for(model)
+    vocab = reference.language_model.model.embed_tokens.weight.shape[0]
+    for length, chunks in ((20, [20]), (64, [30, 34])):
+        ids = mx.random.randint(3, vocab, (2, length), key=mx.random.key(length))
+        for rows in (ids[:1], ids):
+            expected = _passes(reference, _ModelCode(), rows, chunks)
+            assert mx.array_equal(_passes(model, family, rows, chunks), expected).item(), (bits, chunks, rows.shape)
 
 
 def test_padded_rows_take_their_own_last_logits_on_either_path():

@@ -1,16 +1,18 @@
-"""A residual add between two RMSNorms as one CUDA kernel, for decode steps (MLX's ops
-elsewhere).
+"""A residual add between two RMSNorms as one CUDA kernel, for decode steps and prefill
+passes (MLX's ops elsewhere).
 
 Gemma's layers end both halves the same way: ``h = x + rms_norm(r, w_after)``, then
 ``rms_norm(h, w_next)`` for what comes next (the MLP's input, or the next layer's). MLX
 runs that as three kernels, and on CUDA a decode step's cost is mostly the host
-launching its kernels one by one (``bench/results/gpu-h100-prefill-wait``): one kernel
-instead of three is two launches fewer, twice per layer.
+launching its kernels one by one (``bench/results/gpu-h100-prefill-wait``), as is much
+of a prefill pass's: one kernel instead of three is two launches fewer, twice per layer.
 
-One block per row, with a fixed number of threads: a row's sums of squares are added in
-the same order whatever else is in the batch, so a row batched and alone get the same
-bits (``tests/test_cuda_norms.py``, on a CUDA machine). The arithmetic is MLX's: the
-norms in float32, each result rounded to the input's dtype where MLX rounds it.
+One block per row (a step's row or a pass's token), with a fixed number of threads: a
+row's sums of squares are added in the same order whatever else is in the batch or the
+pass, so a row batched and alone get the same bits (``tests/test_cuda_norms.py``, on a
+CUDA machine; ``tests/test_cuda_emulated.py`` on the CPU). The arithmetic is close to
+MLX's: the norms in float32, ``h`` and each norm rounded to the input's dtype (MLX also
+rounds a norm before its weight multiplies it).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ __device__ __forceinline__ float block_sum(float x, float* shared) {
 """
 
 _SOURCE = """
-  const size_t base = (size_t)blockIdx.y * H;
+  const size_t base = (size_t)blockIdx.x * H;  // one block a row: x takes a prefill pass's rows
   __shared__ float sums[THREADS / 32];
   float ss = 0.0f;
   for (int i = threadIdx.x; i < H; i += THREADS) {
@@ -105,7 +107,7 @@ def fused_add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array
     return _kernel(eps)(
         inputs=[x, r, w_after, w_next],
         template=[("T", x.dtype), ("H", hidden), ("THREADS", THREADS)],
-        grid=(THREADS, rows, 1),
+        grid=(THREADS * rows, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, hidden), (rows, hidden)],
         output_dtypes=[x.dtype, x.dtype],

@@ -32,6 +32,7 @@ from mlx_vlm.models.gemma3.language import clip_residual
 from .attention import attend, prefill_attend
 from .cuda_attention import key_origin
 from .cuda_heads import AttentionHeads
+from . import cuda_norms
 from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
@@ -70,12 +71,18 @@ class Gemma3Decoder(StepDecoder):
             if kind.window not in attends:
                 attends[kind.window] = self._pass_attention(h, layer_cache, kind.window)
         h = h.reshape(B * L, hidden)
-        # Where the heads take the engine's kernel: every row's first position in the pass.
         offset = cache[0].offset
-        starts = (mx.full((B,), offset, mx.int32)
-                  if isinstance(offset, int) and self.layers[0].heads.fits(h.dtype) else None)
-        for layer, kind, layer_cache in zip(self.layers, self.layer_kinds, cache):
-            h = layer.prefill(h, B, L, layer_cache, attends[kind.window], starts)
+        if isinstance(offset, int) and self.layers[0].heads.fits(h.dtype) and cuda_norms.fits(h):
+            # On CUDA, as the decode step runs a layer: its heads and its residual norms
+            # as the engine's kernels, each layer handing the next its input's norm.
+            starts = mx.full((B,), offset, mx.int32)  # every row's first position in the pass
+            n = self.layers[0].norm("input_layernorm", h)
+            layers = zip(self.layers, self.layer_kinds, cache, self._next_norms())
+            for layer, kind, layer_cache, next_norm in layers:
+                h, n = layer.prefill_fused(h, n, next_norm, L, layer_cache, attends[kind.window], starts)
+        else:
+            for layer, kind, layer_cache in zip(self.layers, self.layer_kinds, cache):
+                h = layer.prefill(h, B, L, layer_cache, attends[kind.window])
         h = h.reshape(B, L, hidden)
         if last is None:
             return h[:, -1, :]
@@ -112,10 +119,14 @@ class Gemma3Decoder(StepDecoder):
         # Each layer takes its input and the input's norm, and returns its output and
         # the norm the next layer (or the output layer) takes of it.
         n = self.layers[0].norm("input_layernorm", h)
-        next_norms = [layer.norms["input_layernorm"] for layer in self.layers[1:]] + [self.final_norm]
-        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+        for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms())):
             h, n = layer(h, n, next_norm, positions, visible[self.kind_index[i]], write, i)
         return self.head(n), write.keys, write.values
+
+    def _next_norms(self) -> list[mx.array]:
+        """The norm each layer's output takes next: the next layer's input norm, or
+        the final norm."""
+        return [layer.norms["input_layernorm"] for layer in self.layers[1:]] + [self.final_norm]
 
 
 class _Layer:
@@ -151,31 +162,38 @@ class _Layer:
         # The heads' norms and rotation: one kernel on CUDA.
         q, k, v = self.heads(self.qkv(normed), positions)
         keys, values = write(index, k, v)
-        r = self.o_proj(attend(q, keys, values, attn.scale, visible))
-        # Each residual add and the norms on either side of it: one kernel on CUDA.
+        return self._residuals_and_mlp(x, self.o_proj(attend(q, keys, values, attn.scale, visible)), next_norm)
+
+    def prefill_fused(self, x, normed, next_norm, L: int, cache, attention, starts: mx.array):
+        """One layer of a prefill pass as the decode step runs it (CUDA): ``x`` (B * L,
+        hidden) its input and ``normed`` the input's norm, ``starts`` each row's first
+        position; returns its output and that output's norm by ``next_norm``."""
+        q, k, v = self.heads.fused(self.qkv(normed), starts, L)
+        keys, values = cache.update_and_fetch(k, v)
+        return self._residuals_and_mlp(x, self.o_proj(attention(q, keys, values, cache)), next_norm)
+
+    def _residuals_and_mlp(self, x, r, next_norm) -> tuple[mx.array, mx.array]:
+        """The layer's output from its input ``x`` and attention output ``r``, and that
+        output's norm by ``next_norm``: each residual add and the norms on either side
+        of it one kernel on CUDA."""
         h, normed = add_norm(x, r, self.norms["post_attention_layernorm"],
                              self.norms["pre_feedforward_layernorm"], self.eps, clip_residual)
         gate, up = mx.split(self.gate_up(normed), self.gate_up_split, axis=-1)
         r = self.down_proj(_gelu_times(gate, up))
         return add_norm(h, r, self.norms["post_feedforward_layernorm"], next_norm, self.eps, clip_residual)
 
-    def prefill(self, x: mx.array, B: int, L: int, cache, attention, starts: mx.array | None) -> mx.array:
+    def prefill(self, x: mx.array, B: int, L: int, cache, attention) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
         ``TransformerBlock`` on the fused weights); ``attention`` its pass's, for the
-        layer's kind (``Gemma3Decoder._pass_attention``); ``starts`` each row's first
-        position where the heads take the engine's kernel, else None (mlx-vlm's ops)."""
+        layer's kind (``Gemma3Decoder._pass_attention``)."""
         attn = self.attn
         x = clip_residual(x)
-        if starts is not None:
-            q, k, v = self.heads.fused(self.qkv(self.norm("input_layernorm", x)), starts, L)
-        else:
-            q, k, v = self._qkv(x)
-            q = mx.fast.rms_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3), self.q_norm, self.eps)
-            k = mx.fast.rms_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3), self.k_norm,
-                                 self.eps)
-            v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            q = attn.rope(q, offset=cache.offset)
-            k = attn.rope(k, offset=cache.offset)
+        q, k, v = self._qkv(x)
+        q = mx.fast.rms_norm(q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3), self.q_norm, self.eps)
+        k = mx.fast.rms_norm(k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3), self.k_norm, self.eps)
+        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = attn.rope(q, offset=cache.offset)
+        k = attn.rope(k, offset=cache.offset)
         keys, values = cache.update_and_fetch(k, v)
         return self._after_attention(x, self.o_proj(attention(q, keys, values, cache)))
 
