@@ -6,16 +6,17 @@ built once per step (by the store), RMSNorm weights are ``1 + w`` once at load, 
 query/key/value projections are one matmul and gate/up another (their weights fused at
 load, the model's own projections left as views of the fused weights), activations stay
 2-D and single-token head transposes are reshapes. On CUDA each residual add and the
-norms on either side of it run as one kernel (``cuda_norms``): the step's last norm of a
-layer is the next layer's input norm; so do the query and key heads' norms and rotation
-(``cuda_heads``, in prefill passes too).
+norms on either side of it run as one kernel (``cuda_norms``; the step's last norm of a
+layer is the next layer's input norm), and so do the query and key heads' norms and
+rotation (``cuda_heads``).
 
 Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
 own masks, caches and attention, and the output layer on the last position only: on
 the CPU their logits equal the model code's bit for bit (``tests/test_gemma3_prefill.py``).
-On CUDA a short pass (a chat's next turn) takes the engine's own attention kernel
-instead (``attention.prefill_attend``): Gemma 3's head size takes MLX's composed
-fallback there, ~20 graph nodes a layer, 40% of such a pass's launch on the host.
+On CUDA a pass runs its layers as the decode step does (the same two kernels, a layer
+handing the next its input's norm) and attends with the engine's own kernel
+(``attention.prefill_attend``): Gemma 3's head size takes MLX's composed fallback
+there, ~20 graph nodes a layer, 40% of a short pass's launch on the host.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from mlx_vlm.models.base import (
 )
 from mlx_vlm.models.gemma3.language import clip_residual
 
+from . import cuda_norms
 from .attention import attend, prefill_attend
 from .cuda_attention import key_origin
 from .cuda_heads import AttentionHeads
-from . import cuda_norms
 from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
@@ -144,8 +145,8 @@ class _Layer:
         self.q_norm = 1.0 + attn.q_norm.weight
         self.k_norm = 1.0 + attn.k_norm.weight
         self.qkv, self.qkv_split = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.heads = AttentionHeads(attn.n_heads, attn.n_kv_heads, attn.head_dim, self.q_norm, self.k_norm, eps,
-                                 attn.rope)
+        self.heads = AttentionHeads(attn.n_heads, attn.n_kv_heads, attn.head_dim, self.q_norm, self.k_norm,
+                                    eps, attn.rope)
         self.gate_up, self.gate_up_split = fuse_linears([block.mlp.gate_proj, block.mlp.up_proj])
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(block.mlp.down_proj)
