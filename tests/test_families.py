@@ -457,7 +457,8 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     monkeypatch.setattr(scheduler, "SLOW_TURN_S", 0.0)
     monkeypatch.setattr(scheduler, "SLOW_TURN_LOG_S", 0.0)
     caplog.set_level(logging.INFO, logger="vlm_serve.engine")
-    engine = Engine(str(cached_model("qwen2_5_vl")), Config(max_num_seqs=12), warm=True)
+    # A minimum reuse longer than the warm-up's prompts (as on a GPU): they hit all the same.
+    engine = Engine(str(cached_model("qwen2_5_vl")), Config(max_num_seqs=12, prefix_min_reuse=1000), warm=True)
     engine.start()
     try:
         # 3 rows fill the 4-slot bucket and the continued prompt the 1-slot one.
@@ -465,6 +466,7 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
                              r.getMessage()) for r in caplog.records)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
+        assert engine.scheduler.prefix_cache.min_reuse == 1000  # and serving keeps the minimum
         time.sleep(1.5)  # an idle turn or two (each waits up to 1 s for requests)
         assert engine.scheduler.slow_turns == 0
         # Only this engine's worker: other tests' engines may still run in the background.

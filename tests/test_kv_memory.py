@@ -510,3 +510,30 @@ def test_freed_buffers_kept_by_mlx_are_capped_under_the_devices_share(monkeypatc
         assert bound_buffer_cache(90 * gib, model=None) == MIN_BUFFER_CACHE
     finally:
         mx.set_cache_limit(previous)
+
+
+def test_a_prefix_shorter_than_the_minimum_is_prefilled_again():
+    """With ``min_reuse`` (``--prefix-cache-min-tokens``), a stored prefix shorter than it
+    is neither counted as reusable nor copied; one at least that long is."""
+    from mlx_lm.models.cache import KVCache
+
+    from vlm_serve.cli import parse_config
+    from vlm_serve.engine.prefix_cache import PrefixCache
+
+    def cache(n: int) -> list:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
+        return [c]
+
+    prefixes = PrefixCache(4, 1 << 30, min_reuse=4)
+    prefixes.store([1, 2, 3], cache(3))
+    prefixes.store([5, 6, 7, 8, 9], cache(5))
+    assert prefixes.reusable([1, 2, 3, 4, 0]) == 0 and prefixes.lookup([1, 2, 3, 4, 0]) == (None, 0)
+    assert prefixes.reusable([5, 6, 7, 8, 0]) == 4
+    found, reused = prefixes.lookup([5, 6, 7, 8, 0])
+    assert reused == 4 and found[0].offset == 4
+    assert prefixes.reused_tokens == 4
+    assert parse_config(["--prefix-cache-min-tokens", "32"]).prefix_cache_min_tokens == 32
+    assert parse_config([]).prefix_cache_min_tokens is None
+    with pytest.raises(SystemExit):
+        parse_config(["--prefix-cache-min-tokens", "0"])

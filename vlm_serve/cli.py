@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: off); image placeholders are keyed by the images' digests")
     g.add_argument("--prefix-cache-gb", type=float, default=d.prefix_cache_gb,
                    help="memory cap of the prefix cache")
+    g.add_argument("--prefix-cache-min-tokens", type=_tokens, default=None,
+                   help="the fewest tokens of a cached prefix to reuse (a shorter one is "
+                        "prefilled again); default 64 on a GPU, where copying a cached "
+                        "prefix costs more than prefilling a few tokens, 1 on the CPU")
     g.add_argument("--kv-cache-memory", type=_memory_size, default=None, metavar="SIZE",
                    help="KV cache memory for running requests, prefills and cached prefixes "
                         "together: bytes with a unit (8GiB, 512MiB) or a fraction of the "
@@ -175,6 +179,16 @@ def _memory_size(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text.strip()
+
+
+def _tokens(text: str) -> int:
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, 1 or more: {text!r}")
+    return tokens
 
 
 def _steps(text: str) -> int:

@@ -33,6 +33,7 @@ class ServerConfig:
     image_cache_gb: float = 1.0  # ... and memory
     prefix_cache_size: int = 16
     prefix_cache_gb: float = 2.0
+    prefix_cache_min_tokens: int | None = None  # None: 64 on a GPU, 1 on the CPU
     # KV memory of running rows, prefills and cached prefixes: "8GiB", "512MiB", or a
     # fraction of the device's memory ("0.5"); None: 0.8 of it less the weights.
     kv_cache_memory: str | None = None

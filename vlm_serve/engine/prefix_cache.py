@@ -39,10 +39,14 @@ def prefix_key(tokens: list[int], image_tokens: frozenset, digests: tuple[str, .
 
 
 class PrefixCache:
-    def __init__(self, max_entries: int, max_bytes: int, room: Callable[[], int] | None = None):
+    def __init__(self, max_entries: int, max_bytes: int, room: Callable[[], int] | None = None,
+                 min_reuse: int = 1):
         self._lru = LRUPromptCache(max_size=_UNBOUNDED, max_bytes=_UNBOUNDED)
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        # A stored prefix shorter than this is prefilled again, not copied (on a GPU the
+        # copy costs the worker more than the tokens' prefill: server.default_prefix_min_tokens).
+        self.min_reuse = max(1, min_reuse)
         # The bytes cached prefixes may hold now, beside everything else under the
         # memory budget (None: only max_bytes).
         self.room = room
@@ -59,8 +63,8 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int], at_most: int | None = None) -> tuple[list | None, int]:
         """A copy of the cache of the longest stored prefix of ``tokens`` (of at most
-        ``at_most`` tokens where given) and its length. At least one token is always
-        left to prefill (it gives the first logits)."""
+        ``at_most`` tokens where given, of at least ``min_reuse``) and its length. At
+        least one token is always left to prefill (it gives the first logits)."""
         self.queried_tokens += len(tokens)
         key, stored, reused = self._choose(tokens, at_most)
         if key is None:
@@ -86,7 +90,7 @@ class PrefixCache:
             tokens = tokens[:at_most + 1]
         key, reused = self._nearest(tokens)
         reused = min(reused, len(tokens) - 1)  # the last token gives the first logits
-        if key is None or reused <= 0:
+        if key is None or reused < self.min_reuse:
             return None, None, 0
         stored = self._lru._trie.get(_MODEL_KEY, key).prompt_cache
         if reused < len(key) and not can_trim_prompt_cache(stored):

@@ -115,6 +115,7 @@ class SchedulerConfig:
     prefill_step_size: int = 512
     prefix_cache_entries: int = 16  # prompts kept for prefix reuse; 0: off
     prefix_cache_bytes: int = 2 << 30
+    prefix_min_reuse: int = 1  # cached prefixes shorter than this are prefilled again
     # Prompt tokens prefilled between two decode steps: more means faster time to first
     # token for new requests, less means smoother streams for running ones.
     prefill_token_budget: int = 2048
@@ -158,7 +159,8 @@ class Scheduler:
         self.batch = Batch(model, family, vocab_size)
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.prefix_cache = (
-            PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, self._prefix_room)
+            PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, self._prefix_room,
+                        config.prefix_min_reuse)
             if config.prefix_cache_entries > 0 and family.prefix_cache else None
         )
         self.memory = self._budget(model, family, config)

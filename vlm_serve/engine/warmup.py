@@ -48,10 +48,17 @@ WARM_PASS_TOKENS = 512
 def warm_up(loaded, scheduler) -> None:
     """Raises ``RuntimeError`` where a warm-up request fails (a kernel MLX cannot
     compile on this machine, say): the server would fail every request on that path."""
+    prefixes = scheduler.prefix_cache
+    min_reuse = prefixes.min_reuse if prefixes is not None else None
+    if prefixes is not None:
+        prefixes.min_reuse = 1  # the warm-up's prompts are short: their prefixes must hit
     try:
         _warm_up(loaded, scheduler)
     except RuntimeError as exc:
         raise RuntimeError(f"warm-up failed (--no-warmup starts without it): {exc}") from exc
+    finally:
+        if prefixes is not None:
+            prefixes.min_reuse = min_reuse
 
 
 def _warm_up(loaded, scheduler) -> None:
