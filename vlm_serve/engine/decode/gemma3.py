@@ -165,7 +165,8 @@ class _Layer:
         keys, values = write(index, k, v)
         return self._residuals_and_mlp(x, self.o_proj(attend(q, keys, values, attn.scale, visible)), next_norm)
 
-    def prefill_fused(self, x, normed, next_norm, L: int, cache, attention, starts: mx.array):
+    def prefill_fused(self, x: mx.array, normed: mx.array, next_norm: mx.array, L: int, cache, attention,
+                      starts: mx.array) -> tuple[mx.array, mx.array]:
         """One layer of a prefill pass as the decode step runs it (CUDA): ``x`` (B * L,
         hidden) its input and ``normed`` the input's norm, ``starts`` each row's first
         position; returns its output and that output's norm by ``next_norm``."""
@@ -173,7 +174,7 @@ class _Layer:
         keys, values = cache.update_and_fetch(k, v)
         return self._residuals_and_mlp(x, self.o_proj(attention(q, keys, values, cache)), next_norm)
 
-    def _residuals_and_mlp(self, x, r, next_norm) -> tuple[mx.array, mx.array]:
+    def _residuals_and_mlp(self, x: mx.array, r: mx.array, next_norm: mx.array) -> tuple[mx.array, mx.array]:
         """The layer's output from its input ``x`` and attention output ``r``, and that
         output's norm by ``next_norm``: each residual add and the norms on either side
         of it one kernel on CUDA."""
