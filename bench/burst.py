@@ -9,8 +9,9 @@ each engine in its own process:
     python bench/burst.py --model DIR --engine mlx-vlm   --requests 64 --max-tokens 256
 
 vlm-serve's engine is built as the server builds it (``vlm_serve.server.build_engine``:
-the device's defaults, and on a GPU the warm-up), and reports each request's time to
-first token; with ``--worker-parts``, also where its MLX worker's wall and CPU time went
+the device's defaults, and on a GPU the warm-up; ``VLM_SERVE_*`` variables set its
+flags, as the server's), and reports each request's time to first token; with
+``--worker-parts``, also where its MLX worker's wall and CPU time went
 (``turn_timeline``'s marks around the scheduler's parts: taking inputs, prefill steps,
 shared starts, pixels to the device, tower calls, embeddings, shared passes, rows
 joining, decode steps, their launch and read-back; they nest: a prefill step's time
@@ -100,25 +101,29 @@ def images(n: int, size: int, seed: int) -> list[Image.Image]:
 
 
 def run_vlm_serve(args) -> dict:
-    from vlm_serve.config import ServerConfig
+    from vlm_serve.cli import parse_config
     from vlm_serve.engine.types import SamplingParams
     from vlm_serve.preprocess.media import MediaPolicy
     from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
     from vlm_serve.server import build_engine
 
-    # The engine as the server builds and starts it: its defaults for this device
-    # (prefill passes and budget, prompts gathered for shared passes, last passes padded
-    # to coarse lengths) and its warm-up (on a GPU, every batch shape's kernels built
-    # before the first request, as the server does before it reports ready).
-    engine = build_engine(ServerConfig(model=args.model, max_num_seqs=args.requests,
-                                       prefill_token_budget=args.prefill_token_budget))
+    # The engine as the server builds and starts it, from the same flags and VLM_SERVE_*
+    # variables: its defaults for this device (prefill passes and budget, prompts
+    # gathered for shared passes, last passes padded to coarse lengths, the shortest
+    # prefix reused) and its warm-up (on a GPU, every batch shape's kernels built before
+    # the first request, as the server does before it reports ready).
+    argv = ["--model", args.model, "--max-num-seqs", str(args.requests)]
+    if args.prefill_token_budget:
+        argv += ["--prefill-token-budget", str(args.prefill_token_budget)]
+    config = parse_config(argv)
+    engine = build_engine(config)
     loaded = engine.loaded
     ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
     prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
     # Preprocessing runs off the event loop on a pool the size of the server's.
-    pool = ThreadPoolExecutor(args.cpu_workers or ServerConfig().cpu_workers)
+    pool = ThreadPoolExecutor(args.cpu_workers or config.cpu_workers)
 
     def prepare(i: int, image: Image.Image):
         return prepare_prompt(ctx, f"r{i}", prompt, params, [image])

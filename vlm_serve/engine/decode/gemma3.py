@@ -21,6 +21,8 @@ there, ~20 graph nodes a layer, 40% of a short pass's launch on the host.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 from mlx.nn import gelu_approx
 from mlx_vlm.models.base import (
@@ -38,6 +40,9 @@ from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
 from .store import LayerKind
+
+# Set VLM_SERVE_FUSED_PREFILL=0 to run CUDA passes on the model code's ops (for comparison).
+FUSED_PREFILL = os.environ.get("VLM_SERVE_FUSED_PREFILL", "1") != "0"
 
 
 class Gemma3Decoder(StepDecoder):
@@ -73,7 +78,7 @@ class Gemma3Decoder(StepDecoder):
                 attends[kind.window] = self._pass_attention(h, layer_cache, kind.window)
         h = h.reshape(B * L, hidden)
         offset = cache[0].offset
-        if isinstance(offset, int) and self.layers[0].heads.fits(h.dtype) and cuda_norms.fits(h):
+        if FUSED_PREFILL and isinstance(offset, int) and self.layers[0].heads.fits(h.dtype) and cuda_norms.fits(h):
             # On CUDA, as the decode step runs a layer: its heads and its residual norms
             # as the engine's kernels, each layer handing the next its input's norm.
             starts = mx.full((B,), offset, mx.int32)  # every row's first position in the pass
