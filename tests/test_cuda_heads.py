@@ -24,7 +24,7 @@ def _heads(dtype, base: float, scale: float, seed: int = 0):
         return mx.array((std * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
 
     heads = cuda_heads.AttentionHeads(HEADS, KV_HEADS, DIM, 1.0 + normal(DIM, std=0.1), 1.0 + normal(DIM, std=0.1),
-                                   1e-6, nn.RoPE(DIM, base=base, scale=scale))
+                                      1e-6, nn.RoPE(DIM, base=base, scale=scale))
     return heads, normal(64, (HEADS + 2 * KV_HEADS) * DIM, std=3.0)
 
 
