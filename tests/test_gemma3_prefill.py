@@ -101,7 +101,7 @@ def test_a_pass_laid_out_as_on_cuda_equals_the_model_code(monkeypatch, bits):
     norms as the engine's kernels, each layer handing the next its input's norm. Those
     kernels cannot run here, so MLX's own ops (the model code's) stand in for them: the
     pass around them then gives the model code's logits to the bit, in one pass and in
-    two, for one prompt and two stacked."""
+    two (past the sliding window), for one prompt and two stacked."""
     monkeypatch.setattr(cuda_heads.AttentionHeads, "fits", lambda self, dtype: True)
     monkeypatch.setattr(cuda_heads.AttentionHeads, "fused", _heads_by_mlx_ops)
     monkeypatch.setattr(cuda_norms, "fits", lambda x: True)
@@ -112,7 +112,8 @@ def test_a_pass_laid_out_as_on_cuda_equals_the_model_code(monkeypatch, bits):
     model, _ = vlm_load(str(path))
     family = family_for(model)
     vocab = reference.language_model.model.embed_tokens.weight.shape[0]
-    for length, chunks in ((20, [20]), (64, [30, 34])):
+    window = reference.language_model.model.window_size
+    for length, chunks in ((20, [20]), (64, [30, 34]), (3 * window, [window, 2 * window])):
         ids = mx.random.randint(3, vocab, (2, length), key=mx.random.key(length))
         for rows in (ids[:1], ids):
             expected = _passes(reference, _ModelCode(), rows, chunks)
