@@ -87,7 +87,8 @@ class AttentionHeads:
         self.split = [heads * head_dim, (heads + kv_heads) * head_dim]
 
     def fits(self, dtype) -> bool:
-        return fits(self.rope, self.head_dim, dtype)
+        # The kernel reads the norms' weights as the heads' type.
+        return fits(self.rope, self.head_dim, dtype) and self.q_norm.dtype == self.k_norm.dtype == dtype
 
     def __call__(self, qkv: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """A decode step's heads, (rows, heads, 1, head_dim) each, at each row's position
