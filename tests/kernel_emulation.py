@@ -76,6 +76,11 @@ def from_bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def rms_norm64(a: np.ndarray, w_bits: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of float64 ``a`` over its last axis by bfloat16 weights ``w_bits``."""
+    return a / np.sqrt((a * a).mean(-1, keepdims=True) + eps) * from_bf16(w_bits)
+
+
 def _ptr(a: np.ndarray | None):
     """A pointer to ``a``'s data, which the kernels read as a row-major array."""
     if a is None:
@@ -363,9 +368,6 @@ extern "C" void run(const void* qkv, int tokens, const void* q_norm, const void*
         x = from_bf16(qkv).astype(np.float64).reshape(rows, length, -1, self.dim).transpose(0, 2, 1, 3)
         q, k, v = np.split(x, [self.heads, self.heads + self.kv_heads], axis=1)
 
-        def norm(a, w):
-            return a / np.sqrt((a * a).mean(-1, keepdims=True) + self.eps) * from_bf16(w)
-
         half = self.dim // 2
         positions = np.asarray(starts, np.float64)[:, None] + np.arange(length)  # (rows, length)
         angles = (self.scale * positions)[:, None, :, None] * self.base ** (-np.arange(half) / half)
@@ -375,7 +377,7 @@ extern "C" void run(const void* qkv, int tokens, const void* q_norm, const void*
             a1, a2 = a[..., :half], a[..., half:]
             return np.concatenate([a1 * cos - a2 * sin, a1 * sin + a2 * cos], axis=-1)
 
-        return rotate(norm(q, q_norm)), rotate(norm(k, k_norm)), v
+        return rotate(rms_norm64(q, q_norm, self.eps)), rotate(rms_norm64(k, k_norm, self.eps)), v
 
 
 # -- the residual add between two norms ---------------------------------------------------
@@ -413,8 +415,5 @@ extern "C" void run(const void* x, const void* r, int rows, const void* w_after,
 
     def reference(self, x, r, w_after, w_next) -> tuple[np.ndarray, np.ndarray]:
         """The same in float64 (from the bfloat16 inputs)."""
-        def norm(a, w):
-            return a / np.sqrt((a * a).mean(-1, keepdims=True) + self.eps) * from_bf16(w)
-
-        h = from_bf16(x).astype(np.float64) + norm(from_bf16(r).astype(np.float64), w_after)
-        return h, norm(h, w_next)
+        h = from_bf16(x).astype(np.float64) + rms_norm64(from_bf16(r).astype(np.float64), w_after, self.eps)
+        return h, rms_norm64(h, w_next, self.eps)

@@ -88,12 +88,6 @@ def _heads_by_mlx_ops(self, qkv, starts, length=1):
     return heads(q, self.heads, self.q_norm), heads(k, self.kv_heads, self.k_norm), heads(v, self.kv_heads, None)
 
 
-def _add_norm_by_mlx_ops(x, r, w_after, w_next, eps):
-    """``cuda_norms.fused_add_norm`` as MLX's ops, as the model code runs them."""
-    h = x + mx.fast.rms_norm(r, w_after, eps)
-    return h, mx.fast.rms_norm(h, w_next, eps)
-
-
 @pytest.mark.skipif(uses_kernels(), reason="the kernels themselves run there (the tests above)")
 @pytest.mark.parametrize("bits", [None, 4])
 def test_a_pass_laid_out_as_on_cuda_equals_the_model_code(monkeypatch, bits):
@@ -105,7 +99,7 @@ def test_a_pass_laid_out_as_on_cuda_equals_the_model_code(monkeypatch, bits):
     monkeypatch.setattr(cuda_heads.AttentionHeads, "fits", lambda self, dtype: True)
     monkeypatch.setattr(cuda_heads.AttentionHeads, "fused", _heads_by_mlx_ops)
     monkeypatch.setattr(cuda_norms, "fits", lambda x: True)
-    monkeypatch.setattr(cuda_norms, "fused_add_norm", _add_norm_by_mlx_ops)
+    monkeypatch.setattr(cuda_norms, "fused_add_norm", cuda_norms.add_norm_by_ops)
     path = cached_model("gemma3", bits=bits)
     skip_where_refused(str(path))
     reference, _ = vlm_load(str(path))

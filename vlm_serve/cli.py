@@ -181,24 +181,23 @@ def _memory_size(text: str) -> str:
     return text.strip()
 
 
-def _tokens(text: str) -> int:
-    try:
-        tokens = int(text)
-    except ValueError:
-        tokens = 0
-    if tokens < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, 1 or more: {text!r}")
-    return tokens
+def _whole_number(unit: str, least: int):
+    """An argument type: a whole number of ``unit``, ``least`` or more."""
+    def parse(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            number = least - 1
+        if number < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number of {unit}, {least} or more: {text!r}")
+        return number
+
+    parse.__name__ = unit
+    return parse
 
 
-def _steps(text: str) -> int:
-    try:
-        steps = int(text)
-    except ValueError:
-        steps = -1
-    if steps < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps, 0 or more: {text!r}")
-    return steps
+_tokens = _whole_number("tokens", 1)
+_steps = _whole_number("steps", 0)
 
 
 def _comma_list(text: str) -> list[str]:

@@ -82,6 +82,12 @@ def add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array, eps:
     clipping) applied to ``h``."""
     if fits(x):
         return fused_add_norm(x, r, w_after, w_next, eps)
+    return add_norm_by_ops(x, r, w_after, w_next, eps, clip)
+
+
+def add_norm_by_ops(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array, eps: float,
+                    clip=None) -> tuple[mx.array, mx.array]:
+    """``add_norm`` as MLX's ops, the model code's."""
     h = x + mx.fast.rms_norm(r, w_after, eps)
     if clip is not None:
         h = clip(h)
