@@ -16,7 +16,9 @@ flags, as the server's), and reports each request's time to first token; with
 shared starts, pixels to the device, tower calls, embeddings, shared passes, rows
 joining, decode steps, their launch and read-back; they nest: a prefill step's time
 holds its start's, a start's its tower calls'), up to the last first token and over the
-whole burst; ``--timeline FILE`` keeps every mark in order. ``--preprocessed`` times the
+whole burst; ``--timeline FILE`` keeps every mark in order. ``--rounds N`` serves the
+burst N times on one engine and reports the last, with each round's wall time, TTFT and
+traces of the compiled decode step (a round meets the shapes the ones before met). ``--preprocessed`` times the
 engine alone, every request's inputs ready before the clock starts. ``batch_generate``
 returns only when every request is done and times its prompt and decode phases; its
 first tokens all come out of one batched prefill, so its TTFT is estimated as the wall
@@ -147,20 +149,39 @@ def run_vlm_serve(args) -> dict:
     asyncio.run(burst(images(4, args.image_size, 1)))  # warm-up
     if args.worker_parts:
         time_worker_parts(engine)
-    batch = images(args.requests, args.image_size, 0)
-    if args.preprocessed:  # the engine alone: every request's inputs ready before the clock starts
-        batch = [prepare(i, image) for i, image in enumerate(batch)]
-    towers = engine.scheduler.shared_tower_requests
-    t, started_unix = time.perf_counter(), time.time()
-    ready, ttfts, tokens = zip(*asyncio.run(burst(batch, args.preprocessed)))
-    wall = time.perf_counter() - t
+    def batch_of_round(n: int) -> list:
+        # Each round its own images (the prefix and vision caches would hold a repeat's),
+        # unless --same-images.
+        batch = images(args.requests, args.image_size, 0 if args.same_images else 1000 * n)
+        if args.preprocessed:  # the engine alone: every request's inputs ready before the clock starts
+            batch = [prepare(i, image) for i, image in enumerate(batch)]
+        return batch
+
+    decoder = engine.scheduler.batch.decoder
+
+    def traces() -> int:
+        return getattr(decoder, "traces", 0)
+
+    rounds = []
+    for n in range(args.rounds):  # the last round is the result; earlier ones met its shapes first
+        batch = batch_of_round(n)
+        towers, traced = engine.scheduler.shared_tower_requests, traces()
+        t, started_unix = time.perf_counter(), time.time()
+        ready, ttfts, tokens = zip(*asyncio.run(burst(batch, args.preprocessed)))
+        wall = time.perf_counter() - t
+        rounds.append({"wall_s": round(wall, 3), "ttft_mean_s": round(float(np.mean(ttfts)), 3),
+                       "ttft_max_s": round(float(np.max(ttfts)), 3), "step_traces": traces() - traced})
     engine.shutdown()
     result = {"started_unix": started_unix,  # to place files written meanwhile (MLX's kernel cache)
               "tokens": sum(tokens), "wall_s": wall, "ttft_mean_s": float(np.mean(ttfts)),
               "ttft_p50_s": float(np.median(ttfts)), "ttft_max_s": float(np.max(ttfts)),
               # when each request's preprocessing (image processor, template, tokens) was done
               "preprocessed_mean_s": float(np.mean(ready)), "preprocessed_max_s": float(np.max(ready)),
-              "shared_tower_requests": engine.scheduler.shared_tower_requests - towers}
+              "shared_tower_requests": engine.scheduler.shared_tower_requests - towers,
+              # the compiled decode step's traces of new shapes (its slots and KV columns)
+              "step_traces": rounds[-1]["step_traces"]}
+    if args.rounds > 1:
+        result["rounds"] = rounds
     if args.worker_parts:
         result["worker_ms_to_last_first_token"] = worker_parts(t, t + max(ttfts))
         result["worker_ms"] = worker_parts(t, t + wall)
@@ -211,6 +232,13 @@ def main() -> None:
     p.add_argument("--cpu-workers", type=int, help="vlm-serve's preprocessing threads (default: the server's)")
     p.add_argument("--prefill-token-budget", type=int,
                    help="vlm-serve: prompt tokens prefilled per turn (default: the server's)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="vlm-serve: run the burst this many times on one engine and report the last "
+                   "(with each round's wall, TTFT and step traces): shapes met first are then met again")
+    p.add_argument("--same-images", action="store_true",
+                   help="vlm-serve with --rounds: every round the same images (with the prefix cache "
+                   "off, VLM_SERVE_PREFIX_CACHE_SIZE=0, a round after the first then finds every "
+                   "image's features in the vision cache and runs no tower call)")
     p.add_argument("--preprocessed", action="store_true",
                    help="vlm-serve: preprocess every request before the clock starts (the engine alone)")
     p.add_argument("--worker-parts", action="store_true",

@@ -8,7 +8,8 @@ bracketed with the CUDA profiler's start and stop, so only they are profiled.
 
 ``--prefill-length L`` profiles two prefill passes instead: ``--batch`` prompts of L
 tokens each in one pass on fresh caches, through the family's engine decoder as the
-scheduler runs a burst's shared pass.
+scheduler runs a burst's shared pass; ``--tower-images N`` two vision-tower calls of N
+images; ``--compiled`` the decode step compiled, as the server runs it up to 64 slots.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import sys
 
 
-def profile(model_dir: str, rows: int, context: int) -> None:
+def profile(model_dir: str, rows: int, context: int, compiled: bool = False) -> None:
     import mlx.core as mx
     from mlx_vlm import load
 
@@ -30,7 +31,8 @@ def profile(model_dir: str, rows: int, context: int) -> None:
 
     model, _ = load(model_dir)
     batch = build_engine_batch(model, rows, context, 40, ragged=True, use_decoder=True)
-    batch.decoder.compiled = None
+    if not compiled:
+        batch.decoder.compiled = None
     for _ in range(4):
         mx.eval(batch.step().tokens)
     mx.synchronize()
@@ -67,6 +69,31 @@ def profile_prefill(model_dir: str, rows: int, length: int) -> None:
     cuda.cuProfilerStop()
 
 
+def profile_tower(model_dir: str, images: int) -> None:
+    import mlx.core as mx
+    from mlx_vlm import load
+
+    from vlm_serve.engine.families import family_for
+
+    model, _ = load(model_dir)
+    family = family_for(model)
+    size = model.config.vision_config.image_size
+    pixels = mx.random.uniform(shape=(images, 3, size, size))
+    ids = mx.zeros((1, 1), mx.int32)
+
+    def one():
+        return family.encode_images(ids, pixels, {"pixel_values": pixels})
+
+    for _ in range(3):
+        mx.eval(one())
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    for _ in range(2):
+        mx.eval(one())
+    mx.synchronize()
+    cuda.cuProfilerStop()
+
+
 def summarize(path: str, top: int = 25) -> None:
     """Total time per kernel name from ncu's per-kernel summary (CSV), largest first."""
     rows = list(csv.reader(open(path)))
@@ -89,14 +116,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--context", type=int, default=320)
     p.add_argument("--prefill-length", type=int, help="profile prefill passes of this length")
+    p.add_argument("--compiled", action="store_true",
+                   help="the decode step compiled, as the server runs it up to 64 slots")
+    p.add_argument("--tower-images", type=int, help="profile vision-tower calls of this many images")
     p.add_argument("--summarize", metavar="CSV")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize)
+    elif args.tower_images:
+        profile_tower(args.model, args.tower_images)
     elif args.prefill_length:
         profile_prefill(args.model, args.batch, args.prefill_length)
     else:
-        profile(args.model, args.batch, args.context)
+        profile(args.model, args.batch, args.context, args.compiled)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,28 @@ def test_a_row_keeps_its_tokens_past_the_compile_limit(op_by_op_differs, caplog)
     finally:
         engine.shutdown()
         alone.shutdown()
+
+
+def test_the_compiled_step_is_traced_once_per_shape():
+    """``StepDecoder.traces`` counts the compiled step's traces (``bench/burst.py``
+    reports them): one for a batch shape first met, none when it comes again."""
+    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=4))
+    engine.start()
+    try:
+        decoder = engine.scheduler.batch.decoder
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+
+        def serve(name: str, rows: int) -> None:
+            jobs = [(PreparedRequest(f"{name}-{i}", np.array([2, 7 + i, 40, 9], np.int32), params), None, None)
+                    for i in range(rows)]
+            run_jobs(engine, jobs)
+
+        serve("first", 1)
+        traced = decoder.traces
+        assert traced >= 1
+        serve("again", 1)
+        assert decoder.traces == traced, "the same shape again"
+        serve("two", 2)
+        assert decoder.traces == traced + 1, "two rows: a step of two slots"
+    finally:
+        engine.shutdown()

@@ -49,7 +49,14 @@ class StepDecoder:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         kinds = sorted({k.window or 0 for k in layer_kinds})
         self.kind_index = [kinds.index(k.window or 0) for k in layer_kinds]
-        self.compiled = mx.compile(self.forward) if COMPILE else None
+        self.traces = 0  # shapes the compiled step has been traced for
+        forward = self.forward
+
+        def traced(*args):
+            self.traces += 1  # Python runs this only while mx.compile traces a new shape
+            return forward(*args)
+
+        self.compiled = mx.compile(traced) if COMPILE else None
         self.counts = uses_kernels()  # attention takes counts of visible keys, not a mask
         self.compile_max_slots = CUDA_COMPILE_MAX_SLOTS if cuda_attention.available() else None
         self.op_by_op_same_bits: bool | None = None  # unknown until a step past the limit
