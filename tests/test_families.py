@@ -22,7 +22,7 @@ from vlm_serve.engine import prefill
 from vlm_serve.engine.engine import Engine
 from vlm_serve.engine.families import FAMILIES
 from vlm_serve.engine.scheduler import SchedulerConfig
-from vlm_serve.engine.types import SamplingParams
+from vlm_serve.engine.types import PreparedRequest, SamplingParams
 from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat, tokenize
 
@@ -446,9 +446,11 @@ def _serves_a_chat(engine, grammar: str | None = None) -> None:
 
 def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     """--warmup: text, image, sampled and prefix-reusing requests run once at startup,
-    then a batch of every slot bucket up to --max-num-seqs, and the engine serves
-    normally after. Its turns are not counted or logged as slow turns (here every turn
-    is slow), nor are idle turns after it; the requests served after it are."""
+    then a batch of every slot bucket up to --max-num-seqs, short rows and rows past
+    the store's first column step, and the engine serves normally after: a burst of
+    prompts of an image chat's length traces no new decode step. Its turns are not
+    counted or logged as slow turns (here every turn is slow), nor are idle turns
+    after it; the requests served after it are."""
     import logging
 
     from vlm_serve.engine import scheduler
@@ -462,8 +464,9 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     engine.start()
     try:
         # 3 rows fill the 4-slot bucket and the continued prompt the 1-slot one.
-        assert any(re.search(r"warm-up: 5 request\(s\) \(one of \d+ tokens\), then batches of 2, 8, 12 rows, in",
-                             r.getMessage()) for r in caplog.records)
+        assert any(re.search(r"warm-up: 5 request\(s\) \(one of \d+ tokens\), then batches of 2, 8, 12 rows, "
+                             r"and of 1, 2, 4, 8, 12 rows of \d+ tokens, in", r.getMessage())
+                   for r in caplog.records)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
         assert engine.scheduler.prefix_cache.min_reuse == 1000  # and serving keeps the minimum
@@ -474,6 +477,13 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
         assert not any(r.getMessage().startswith("slow turn:") and r.thread == worker for r in caplog.records)
         _serves_a_chat(engine)
         assert engine.scheduler.slow_turns > 0
+        decoder = engine.scheduler.batch.decoder
+        traced = decoder.traces
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        burst = [(PreparedRequest(f"burst-{i}", np.arange(5 + i, 305 + i, dtype=np.int32) % 500 + 3, params),
+                  None, None) for i in range(12)]
+        assert all(r["error"] is None for r in run_jobs(engine, burst).values())
+        assert decoder.traces == traced, "a burst of 300-token prompts met a step shape the warm-up had not"
     finally:
         engine.shutdown()
 

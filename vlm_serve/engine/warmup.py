@@ -19,7 +19,10 @@ batch). At startup instead:
 - for every number of slots the batch can reach up to ``--max-num-seqs``, one prompt
   decoded as that many rows (copies sharing its prefill): each batch shape costs a
   trace of the compiled step and the kernels built for it (the first 32-row step of a
-  fresh H200 took 4 s).
+  fresh H200 took 4 s). Then the same with a prompt past the store's first column step,
+  as an image chat's is (an image's tokens alone fill most of it): the store's columns
+  are part of the step's shapes, and a first burst of image chats on an H200 traced
+  ten of them, ~0.2 s (``bench/results/gpu-h200-burst-phases``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from PIL import Image
 
 from ..preprocess.media import MediaPolicy
 from ..preprocess.prompt import PromptContext, prepare_prompt, render_chat
-from .decode.store import round_up_coarsely, slot_bucket, slot_buckets
+from .decode.store import COLUMN_STEP, round_up_coarsely, slot_bucket, slot_buckets
 from .prefill import PASS_STEP, Prefill
 from .types import PreparedRequest, SamplingParams
 
@@ -92,11 +95,16 @@ def _warm_up(loaded, scheduler) -> None:
     rows = text("warm-up-rows", "Count to three.", replace(greedy, max_tokens=2))
     for size in sizes:
         scheduler.run_to_completion([replace(rows, request_id=f"warm-up-rows-{size}")], copies=size - 1)
-    log.info("warm-up: %d request(s)%s%s%s in %.1f s", len(together) + 1 + (long is not None),
+    wide = _wide_rows(loaded, scheduler, text, replace(greedy, max_tokens=2))
+    wide_sizes = _batch_sizes(scheduler, covered=set()) if wide is not None else []
+    for size in wide_sizes:
+        scheduler.run_to_completion([replace(wide, request_id=f"warm-up-wide-rows-{size}")], copies=size - 1)
+    log.info("warm-up: %d request(s)%s%s%s%s in %.1f s", len(together) + 1 + (long is not None),
              f" (one of {long.num_prompt_tokens} tokens)" if long is not None else "",
              f", padded passes of {passes[0]}-{passes[-1]} tokens ({len(passes)})" if passes else "",
              f", then batches of {', '.join(map(str, sizes))} rows," if sizes else "",
-             time.monotonic() - started)
+             f" and of {', '.join(map(str, wide_sizes))} rows of {wide.num_prompt_tokens} tokens,"
+             if wide_sizes else "", time.monotonic() - started)
     # Its shapes (the long prompt, a batch of every slot bucket) are not what serving
     # starts with: their freed buffers go back to the device, not into MLX's cache.
     mx.clear_cache()
@@ -140,11 +148,26 @@ def _long_prompt(loaded, scheduler, text, params: SamplingParams):
     window, where the model's context and the memory limit allow one; else None."""
     windows = [layer.window for layer in scheduler.memory.layout.layers if layer.window]
     target = max([scheduler.config.prefill_step_size, *windows]) + 64
+    return _prompt_of(loaded, scheduler, text, "warm-up-long", target, params)
+
+
+def _wide_rows(loaded, scheduler, text, params: SamplingParams):
+    """Where the batch decodes through a compiled step of the family's, a text prompt
+    whose rows take the store past its first column step (as an image chat's do); else
+    None."""
+    if scheduler.batch.decoder is None or not scheduler.family.batched:
+        return None
+    return _prompt_of(loaded, scheduler, text, "warm-up-wide-rows", COLUMN_STEP, params)
+
+
+def _prompt_of(loaded, scheduler, text, rid: str, target: int, params: SamplingParams):
+    """A text prompt of at least ``target`` tokens, where the model's context and the
+    memory limit allow one; else None."""
     if target + params.max_tokens > loaded.max_model_len:
         return None
     words = max(target // 4, 16)
     for _ in range(4):  # tokens per word depend on the tokenizer: scale up to the target
-        prompt = text("warm-up-long", " ".join(["again"] * words), params)
+        prompt = text(rid, " ".join(["again"] * words), params)
         if prompt.num_prompt_tokens >= target:
             break
         words = words * target // max(prompt.num_prompt_tokens, 1) + 16
