@@ -18,11 +18,12 @@ joining, decode steps, their launch and read-back; they nest: a prefill step's t
 holds its start's, a start's its tower calls'), up to the last first token and over the
 whole burst; ``--timeline FILE`` keeps every mark in order. ``--rounds N`` serves the
 burst N times on one engine and reports the last, with each round's wall time, TTFT and
-traces of the compiled decode step (a round meets the shapes the ones before met). ``--preprocessed`` times the
-engine alone, every request's inputs ready before the clock starts. ``batch_generate``
-returns only when every request is done and times its prompt and decode phases; its
-first tokens all come out of one batched prefill, so its TTFT is estimated as the wall
-time before its decode phase (``wall - generation_time``), the same for every request.
+traces of the compiled decode step (a round meets the shapes the ones before met).
+``--preprocessed`` times the engine alone, every request's inputs ready before the clock
+starts. ``batch_generate`` returns only when every request is done and times its prompt
+and decode phases; its first tokens all come out of one batched prefill, so its TTFT is
+estimated as the wall time before its decode phase (``wall - generation_time``), the
+same for every request.
 """
 
 from __future__ import annotations

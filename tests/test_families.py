@@ -464,7 +464,7 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     engine.start()
     try:
         # 3 rows fill the 4-slot bucket and the continued prompt the 1-slot one.
-        assert any(re.search(r"warm-up: 5 request\(s\) \(one of \d+ tokens\), then batches of 2, 8, 12 rows, "
+        assert any(re.search(r"warm-up: 5 request\(s\) \(one of \d+ tokens\), then batches of 2, 8, 12 rows "
                              r"and of 1, 2, 4, 8, 12 rows of \d+ tokens, in", r.getMessage())
                    for r in caplog.records)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12

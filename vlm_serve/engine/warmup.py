@@ -99,12 +99,14 @@ def _warm_up(loaded, scheduler) -> None:
     wide_sizes = _batch_sizes(scheduler, covered=set()) if wide is not None else []
     for size in wide_sizes:
         scheduler.run_to_completion([replace(wide, request_id=f"warm-up-wide-rows-{size}")], copies=size - 1)
-    log.info("warm-up: %d request(s)%s%s%s%s in %.1f s", len(together) + 1 + (long is not None),
+    batches = [f"{', '.join(map(str, sizes))} rows"] if sizes else []
+    if wide_sizes:
+        batches.append(f"{', '.join(map(str, wide_sizes))} rows of {wide.num_prompt_tokens} tokens")
+    log.info("warm-up: %d request(s)%s%s%s in %.1f s", len(together) + 1 + (long is not None),
              f" (one of {long.num_prompt_tokens} tokens)" if long is not None else "",
              f", padded passes of {passes[0]}-{passes[-1]} tokens ({len(passes)})" if passes else "",
-             f", then batches of {', '.join(map(str, sizes))} rows," if sizes else "",
-             f" and of {', '.join(map(str, wide_sizes))} rows of {wide.num_prompt_tokens} tokens,"
-             if wide_sizes else "", time.monotonic() - started)
+             f", then batches of {' and of '.join(batches)}," if batches else "",
+             time.monotonic() - started)
     # Its shapes (the long prompt, a batch of every slot bucket) are not what serving
     # starts with: their freed buffers go back to the device, not into MLX's cache.
     mx.clear_cache()
