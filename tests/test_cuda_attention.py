@@ -57,6 +57,23 @@ def test_a_row_batched_equals_it_alone(dtype):
                               np.array(together[i:i + 1].astype(mx.float32))), f"row {i}"
 
 
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_staged_keys_give_the_same_bits(dim, dtype, monkeypatch):
+    """A decode row's keys staged in shared memory by each warp (``STAGED_KEYS``) give
+    the bits of keys read lane by lane."""
+    rng = np.random.default_rng(dim)
+    counts = mx.array([1, 33, 255, 300, 700], mx.int32)
+    q, keys, values = _store(rng, 5, 8, 4, dim, 768, dtype)
+    outputs = []
+    for staged in (False, True):
+        monkeypatch.setattr(cuda_attention, "STAGED_KEYS", staged)
+        assert cuda_attention.stages_keys(2, dim, dtype) == staged
+        outputs.append(np.array(cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
+                                .astype(mx.float32)))
+    assert np.array_equal(*outputs)
+
+
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (8, 1, 64), (28, 4, 128), (32, 16, 512)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_heads_sharing_a_block_compute_what_each_computes_alone(heads, kv_heads, dim, dtype):

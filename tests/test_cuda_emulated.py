@@ -178,6 +178,19 @@ def test_decode_attention_takes_each_rows_own_keys(attention):
     assert np.array_equal(alone, out[2:3])
 
 
+@pytest.mark.parametrize("dim", [64, 256])
+def test_staged_keys_give_the_keys_read_lane_by_lane_their_bits(dim):
+    """Decode rows whose keys each warp stages in shared memory get the bits of keys
+    read lane by lane: rows whose counts end inside a round of 32 columns and inside a
+    chunk, and a row of one key."""
+    lane_by_lane = emulation.Attention(heads=4, kv_heads=2, dim=dim)
+    staged = emulation.Attention(heads=4, kv_heads=2, dim=dim, staged_keys=True)
+    rng = np.random.default_rng(dim)
+    counts = np.array([1, 45, 256, 300], np.int32)
+    q, k, v = _pass(rng, staged, len(counts), 1, 300)
+    assert np.array_equal(staged.decode(q, k, v, counts), lane_by_lane.decode(q, k, v, counts))
+
+
 def test_attention_heads_are_normed_and_rotated_alike_in_steps_and_passes():
     """Query and key heads RMS-normalized and rotated at each token's position (Gemma 3's
     local and global rotary settings), value heads as they are: close to float64, in a

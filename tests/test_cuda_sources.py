@@ -140,8 +140,8 @@ def test_every_matmul_kernel_compiles(launches):
 
 def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
     """The tensor-core prefill kernel at each head size it may take, whole and in
-    chunks, masked and not; the per-query prefill kernel, masked and not; decode; the
-    parts' combination; the fused residual norm; the attention heads, a pass's (and a step's)."""
+    chunks, masked and not; the per-query prefill kernel, masked and not; decode, its keys
+    read lane by lane and staged; the parts' combination; the fused residual norm; the attention heads, a pass's (and a step's)."""
     monkeypatch.setattr(cuda_attention, "FLASH_MAX_DIM", 512)
 
     def qkv(prompts, heads, kv_heads, length, columns, dim, dtype):
@@ -158,8 +158,11 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
         cuda_attention.prefill_attention(q, k, v, 0.125, window=16, queries=1)
         cuda_attention.prefill_attention(q, k, v, 0.125, causal=False, mask=mx.ones((2, 20, 40), mx.bool_),
                                          queries=1)
-        q, k, v = qkv(3, 8, 4, 1, 40, 64, dtype)
-        cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), 0.125)
+        for staged in (False, True):  # keys read lane by lane, and staged by each warp
+            monkeypatch.setattr(cuda_attention, "STAGED_KEYS", staged)
+            for dim in (64, 256):
+                q, k, v = qkv(3, 8, 4, 1, 40, dim, dtype)
+                cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
         hidden = mx.zeros((3, 256), dtype)
         cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
         for dim in (80, 256):  # threads past the head's pairs, and not

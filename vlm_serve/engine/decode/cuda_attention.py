@@ -16,7 +16,10 @@ row the same way whatever else is in the batch:
   dims), and the block combines its warps in order. At a batch of 128 rows, pass 1
   with a block per query head and a warp per column was 40% of a Gemma-3-4B step's
   GPU time (ncu); now 34 layers' attention take 0.7x the time of MLX's own
-  single-query kernel on rows of one length;
+  single-query kernel on rows of one length. With ``STAGED_KEYS``, a warp first
+  copies its round's keys to shared memory, 64 bytes of each at a time, and each lane
+  sums its key from there in the same order (the same bits, with a load instruction
+  touching a few cache lines instead of 32);
 - pass 2: one block per (row, query head) combines the chunks in order. Chunks past a
   row's count are empty and add exact zeros, so the number of chunks (which follows the
   store's columns) never changes a row's bits.
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import mlx.core as mx
 
@@ -55,6 +59,10 @@ from ...mlx_runtime import cuda_available as available  # noqa: F401 - this modu
 from ...mlx_runtime import kernel_constant
 
 CHUNK = 256  # columns per block of pass 1
+# Decode rows' keys staged in shared memory by each warp (see ``_PARTIAL``), where they
+# fit: the same bits, other memory traffic. VLM_SERVE_ATTENTION_STAGED_KEYS=1 turns it
+# on; off until timed on a GPU against the keys read lane by lane.
+STAGED_KEYS = os.environ.get("VLM_SERVE_ATTENTION_STAGED_KEYS", "0") == "1"
 WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
 # At most this many floats of query heads per block (QG * head dim): each head keeps its
 # query in shared memory, its output slice in registers and its warps' outputs in
@@ -166,6 +174,13 @@ _MASK_VISIBLE = """
 _PARTIAL = """
   const T* k_row = keys + kv_offset;
   const T* v_row = values + kv_offset;
+  // Where keys are staged (STAGED): a warp's round of 32 keys in shared memory, 64 bytes
+  // of each at a time, each row padded by 16 bytes so that lanes reading their own rows
+  // meet distinct banks.
+  constexpr int KEY_PIECE = 64 / sizeof(T);
+  constexpr int ROW_WORDS = 5;  // 16-byte words of a staged row: its 64 bytes and the pad
+  __shared__ uint4 k_words[STAGED ? WARPS * 32 * ROW_WORDS : 1];
+  auto staged_row = [&](int j) { return reinterpret_cast<T*>(k_words + (warp * 32 + j) * ROW_WORDS); };
   __syncthreads();
 
   // Lane `lane` owns value dims (span * 32 + lane) * STEP .. + STEP.
@@ -203,7 +218,43 @@ _PARTIAL = """
     float s[QQ][QG];
 #pragma unroll
     for (int qq = 0; qq < QQ; ++qq) for (int h = 0; h < QG; ++h) s[qq][h] = 0.0f;
-    if (any) {
+    if constexpr (STAGED) {
+      // The warp copies the round's keys to shared memory piece by piece, each key's
+      // piece in whole 16-byte runs side by side (a load instruction then touches a few
+      // cache lines, not one per lane), and each lane sums its own key's dims in the
+      // order of the loop below: the same arithmetic.
+      // (Only where keys come in whole 64-byte pieces: ``stages_keys``.)
+      constexpr int PIECE_LOADS = KEY_PIECE / VEC;  // 16-byte runs of one key's piece
+      const unsigned wanted = __ballot_sync(0xffffffff, any);
+      // (The unroll counts keep a Gemma-3-4B block at 63 registers a thread for sm_90,
+      // four blocks an SM as without staging; unrolled whole, 72.)
+      for (int p0 = 0; p0 < D; p0 += KEY_PIECE) {
+#pragma unroll 2
+        for (int i = lane; i < 32 * PIECE_LOADS; i += 32) {
+          const int j = i / PIECE_LOADS, part = i % PIECE_LOADS;
+          if ((wanted >> j) & 1) {
+            load_run<T, VEC>(k_row + (size_t)(c0 + j) * D + p0 + part * VEC, staged_row(j) + part * VEC);
+          }
+        }
+        __syncwarp();
+        if (any) {
+#pragma unroll 1
+          for (int d0 = 0; d0 < KEY_PIECE; d0 += VEC) {
+            alignas(16) T kv[VEC];
+            load_run<T, VEC>(staged_row(lane) + d0, kv);
+#pragma unroll
+            for (int t = 0; t < VEC; ++t) {
+              const float kf = static_cast<float>(kv[t]);
+#pragma unroll
+              for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+                for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][p0 + d0 + t] * kf;
+            }
+          }
+        }
+        __syncwarp();
+      }
+    } else if (any) {
       const T* k = k_row + (size_t)c * D;
       for (int d0 = 0; d0 < D; d0 += STEP) {
         alignas(16) T kv[STEP];
@@ -577,6 +628,16 @@ def _kernels(scale: float, opening: str = "decode"):
     return partial, combine
 
 
+def stages_keys(group: int, dim: int, dtype: mx.Dtype) -> bool:
+    """Whether a decode block of ``group`` heads of ``dim`` stages its warps' keys
+    (``STAGED_KEYS``): keys of whole 64-byte pieces, and the staging beside the block's
+    queries and its warps' sums within the 48 KB a kernel may declare."""
+    vec = 16 // dtype.size
+    staging = WARPS * 32 * (64 + 16)
+    return (STAGED_KEYS and dim % vec == 0 and dim % (64 // dtype.size) == 0
+            and 4 * group * dim * (1 + WARPS) + staging <= 48 * 1024)
+
+
 def heads_per_block(heads: int, kv_heads: int, dim: int) -> int:
     """Query heads one block of pass 1 computes: the most of one key/value head's that
     divide them evenly within ``GROUP_FLOATS``."""
@@ -594,8 +655,9 @@ def decode_attention(
     ``heads_per_block``; any divisor of the heads sharing a key/value head gives the
     same bits). Returns (slots, heads * dim) in ``q``'s dtype."""
     slots, heads, _, dim = q.shape
+    group = group or heads_per_block(heads, keys.shape[1], dim)
     return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim,
-                      group, [("QQ", 1)])
+                      group, [("QQ", 1), ("STAGED", stages_keys(group, dim, q.dtype))])
 
 
 # The most queries of a prefill pass a block of pass 1 takes by default. Any number gives
@@ -652,7 +714,8 @@ def prefill_attention(
     prompts, heads, length, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     queries = queries or queries_per_block(group, dim, q.dtype, length)
-    template = [("QQ", queries), ("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
+    template = [("QQ", queries), ("STAGED", False), ("CAUSAL", causal),
+                ("WINDOW", (window or 0) if causal else 0)]
     shift = column_shift(origin)
     inputs = [q, keys, values] + ([] if mask is None else [mask]) + [_shift_input(shift)]
     opening = "prefill" if mask is None else "masked"
