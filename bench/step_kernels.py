@@ -22,8 +22,23 @@ import os
 import sys
 
 
-def profile(model_dir: str, rows: int, context: int, compiled: bool = False) -> None:
+def _profiled(one, warm_up: int = 3) -> None:
+    """Run ``one()`` (evaluated) ``warm_up`` times, then twice between the CUDA
+    profiler's start and stop."""
     import mlx.core as mx
+
+    for _ in range(warm_up):
+        mx.eval(one())
+    mx.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    for _ in range(2):
+        mx.eval(one())
+    mx.synchronize()
+    cuda.cuProfilerStop()
+
+
+def profile(model_dir: str, rows: int, context: int, compiled: bool = False) -> None:
     from mlx_vlm import load
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -33,15 +48,7 @@ def profile(model_dir: str, rows: int, context: int, compiled: bool = False) -> 
     batch = build_engine_batch(model, rows, context, 40, ragged=True, use_decoder=True)
     if not compiled:
         batch.decoder.compiled = None
-    for _ in range(4):
-        mx.eval(batch.step().tokens)
-    mx.synchronize()
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuProfilerStart()
-    for _ in range(2):
-        mx.eval(batch.step().tokens)
-    mx.synchronize()
-    cuda.cuProfilerStop()
+    _profiled(lambda: batch.step().tokens, warm_up=4)
 
 
 def profile_prefill(model_dir: str, rows: int, length: int) -> None:
@@ -59,14 +66,7 @@ def profile_prefill(model_dir: str, rows: int, length: int) -> None:
     def one():
         return prefill_pass(model, family, ids, lm.model.embed_tokens(ids), lm.make_cache(), {})[0]
 
-    for _ in range(3):
-        mx.eval(one())
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuProfilerStart()
-    for _ in range(2):
-        mx.eval(one())
-    mx.synchronize()
-    cuda.cuProfilerStop()
+    _profiled(one)
 
 
 def profile_tower(model_dir: str, images: int) -> None:
@@ -84,14 +84,7 @@ def profile_tower(model_dir: str, images: int) -> None:
     def one():
         return family.encode_images(ids, pixels, {"pixel_values": pixels})
 
-    for _ in range(3):
-        mx.eval(one())
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuProfilerStart()
-    for _ in range(2):
-        mx.eval(one())
-    mx.synchronize()
-    cuda.cuProfilerStop()
+    _profiled(one)
 
 
 def summarize(path: str, top: int = 25) -> None:
