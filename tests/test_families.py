@@ -479,6 +479,9 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
         assert engine.scheduler.slow_turns > 0
         decoder = engine.scheduler.batch.decoder
         traced = decoder.traces
+        # 300 tokens: past the first column step, as the warm-up's rows (298 here). On
+        # the CPU the step's mask also follows the attended span (in steps of 32
+        # columns here), so the prompts stay within the warm-up rows' span.
         params = SamplingParams(max_tokens=4, temperature=0.0)
         burst = [(PreparedRequest(f"burst-{i}", np.arange(5 + i, 305 + i, dtype=np.int32) % 500 + 3, params),
                   None, None) for i in range(12)]
