@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
+from . import prefill_launches
 from .decode.store import round_up_coarsely
 from .families import Family
 from .prefix_cache import PrefixCache, prefix_key
@@ -119,7 +120,7 @@ class Prefill:
             self.input_ids = self.input_ids[:, reused:]
             if not text_only:
                 self.embeds = self.embeds[:, reused:]
-        mx.async_eval(self.embeds)
+        prefill_launches.launch(self.embeds)
         return req.num_prompt_tokens if req.has_media else 1
 
     def _look_up(self) -> tuple[list | None, int]:
@@ -235,7 +236,7 @@ class Prefill:
         ids, embeds, kwargs = self.chunk_inputs(n)
         if not last:
             prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs, n)
-            mx.async_eval([c.state for c in self.cache])
+            prefill_launches.launch([c.state for c in self.cache])
             self.advance(n)
             return n
         if n == 1:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from . import prefill_launches
 from .batch import Batch, JoiningRow
 from .decode.store import slot_bucket
 from .detokenize import TextAssembler
@@ -336,20 +337,26 @@ class Scheduler:
         self._turns += 1
         self._admit()
         budget, passes = self.config.prefill_token_budget, 0
-        while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
-            budget -= self._prefill_step()
-            passes += 1
-        prefilled = time.perf_counter()
-        joined = len(self._ready)
-        self.batch.add(self._ready)
-        self._ready = []
-        self.peak_running = max(self.peak_running, len(self.running))
-        joined_at = time.perf_counter()
-        decoded = bool(self.running or self._inflight)
-        if decoded:
-            rows = len(self.running)
-            self._decode_step()
-            self.decode_times.turn(time.perf_counter() - started, rows)
+        # Where set, this turn's prefill work goes to the device after its decode
+        # step's launch (``prefill_launches``); flushed there, or below at the latest.
+        prefill_launches.defer()
+        try:
+            while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
+                budget -= self._prefill_step()
+                passes += 1
+            prefilled = time.perf_counter()
+            joined = len(self._ready)
+            self.batch.add(self._ready)
+            self._ready = []
+            self.peak_running = max(self.peak_running, len(self.running))
+            joined_at = time.perf_counter()
+            decoded = bool(self.running or self._inflight)
+            if decoded:
+                rows = len(self.running)
+                self._decode_step()
+                self.decode_times.turn(time.perf_counter() - started, rows)
+        finally:
+            prefill_launches.flush()
         self._account()
         tokens = self.config.prefill_token_budget - budget
         reallocated = (store.reallocations if store is not None else 0) - reallocations
@@ -676,6 +683,7 @@ class Scheduler:
                         self._process(step)
                 self._flush()  # these tokens need not wait for the next step's launch
                 self._inflight = self._launch() if self.running else None
+                prefill_launches.flush()
                 return
             joined = {id(s) for step in joining for s in step.states}
             if joining and all(id(s) in joined for s in self.running):
@@ -688,6 +696,7 @@ class Scheduler:
                 joining = []
                 self._flush()  # to the event loop now, not at the turn's end after the launch
             launched = self._launch() if self.running else None
+            prefill_launches.flush()  # behind the step: it meets a launch queue with room
             previous, self._inflight = self._inflight, launched
             for step in joining:  # first tokens of rows that just joined
                 self._process(step)
