@@ -140,8 +140,9 @@ def test_every_matmul_kernel_compiles(launches):
 
 def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
     """The tensor-core prefill kernel at each head size it may take, whole and in
-    chunks, masked and not; the per-query prefill kernel, masked and not; decode, its keys
-    read lane by lane and staged; the parts' combination; the fused residual norm; the attention heads, a pass's (and a step's)."""
+    chunks, masked and not; the per-query prefill kernel, masked and not; decode, its
+    keys read lane by lane and staged; the parts' combination; the fused residual norm;
+    the attention heads, a pass's (and a step's)."""
     monkeypatch.setattr(cuda_attention, "FLASH_MAX_DIM", 512)
 
     def qkv(prompts, heads, kv_heads, length, columns, dim, dtype):
