@@ -338,7 +338,8 @@ class Scheduler:
         self._admit()
         budget, passes = self.config.prefill_token_budget, 0
         # Where set, this turn's prefill work goes to the device after its decode
-        # step's launch (``prefill_launches``); flushed there, or below at the latest.
+        # step's launch (``prefill_launches``); flushed there (``_launch``), or below
+        # at the latest.
         prefill_launches.defer()
         try:
             while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
@@ -683,7 +684,6 @@ class Scheduler:
                         self._process(step)
                 self._flush()  # these tokens need not wait for the next step's launch
                 self._inflight = self._launch() if self.running else None
-                prefill_launches.flush()
                 return
             joined = {id(s) for step in joining for s in step.states}
             if joining and all(id(s) in joined for s in self.running):
@@ -696,7 +696,6 @@ class Scheduler:
                 joining = []
                 self._flush()  # to the event loop now, not at the turn's end after the launch
             launched = self._launch() if self.running else None
-            prefill_launches.flush()  # behind the step: it meets a launch queue with room
             previous, self._inflight = self._inflight, launched
             for step in joining:  # first tokens of rows that just joined
                 self._process(step)
@@ -726,6 +725,7 @@ class Scheduler:
         since = times.add("build", since)
         mx.async_eval(out.tokens, *extras)
         times.add("queue", since)
+        prefill_launches.flush()  # the turn's held prefill work, behind the step
         return Step(out, states, extras)
 
     def _process(self, step: "Step") -> None:

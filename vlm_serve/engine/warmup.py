@@ -157,7 +157,7 @@ def _wide_rows(loaded, scheduler, text, params: SamplingParams):
     """Where the batch decodes through a compiled step of the family's, a text prompt
     whose rows take the store past its first column step (as an image chat's do); else
     None."""
-    if scheduler.batch.decoder is None or not scheduler.family.batched:
+    if scheduler.batch.decoder is None:  # (a family not batched has none)
         return None
     return _prompt_of(loaded, scheduler, text, "warm-up-wide-rows", COLUMN_STEP, params)
 

@@ -632,9 +632,8 @@ def stages_keys(group: int, dim: int, dtype: mx.Dtype) -> bool:
     """Whether a decode block of ``group`` heads of ``dim`` stages its warps' keys
     (``STAGED_KEYS``): keys of whole 64-byte pieces, and the staging beside the block's
     queries and its warps' sums within the 48 KB a kernel may declare."""
-    vec = 16 // dtype.size
     staging = WARPS * 32 * (64 + 16)
-    return (STAGED_KEYS and dim % vec == 0 and dim % (64 // dtype.size) == 0
+    return (STAGED_KEYS and dim % (64 // dtype.size) == 0
             and 4 * group * dim * (1 + WARPS) + staging <= 48 * 1024)
 
 
