@@ -494,41 +494,6 @@ def test_burst_prefilled_together_matches_each_alone(burst, kind):
         assert scheduler.shared_prefill_rows > rows  # passes really were shared
 
 
-def test_a_burst_whose_prefill_goes_to_the_device_after_the_decode_step_matches_each_alone(burst, monkeypatch):
-    """With ``prefill_launches.DEFER`` a turn's prefill work is queued after its decode
-    step's launch: a mixed burst beside a running row still gets each request's tokens
-    alone, and held work did go to the device right after a step's launch."""
-    from vlm_serve.engine import prefill_launches
-    from vlm_serve.engine.scheduler import Scheduler
-
-    monkeypatch.setattr(prefill_launches, "DEFER", True)
-    events = []
-    flush, launch, turn = prefill_launches.flush, Scheduler._launch, Scheduler._turn
-
-    def flush_recorded():
-        if prefill_launches.held():
-            events.append("held prefill work")
-        flush()
-
-    def launch_recorded(self):
-        events.append("decode step")
-        return launch(self)
-
-    def turn_recorded(self):
-        events.append("turn")
-        return turn(self)
-
-    monkeypatch.setattr(prefill_launches, "flush", flush_recorded)
-    monkeypatch.setattr(Scheduler, "_launch", launch_recorded)
-    monkeypatch.setattr(Scheduler, "_turn", turn_recorded)
-    cases = _burst_cases()["mixed"]
-    results = run_burst(burst, [(burst.prepare(c, c.name), None, None) for c in cases])
-    for case in cases:
-        _assert_matches_oracle(burst, case, results[case.name])
-    # In one turn: the step's launch, then the held work.
-    assert ("decode step", "held prefill work") in set(zip(events, events[1:])), events
-
-
 def test_a_burst_led_by_a_long_prompt_still_shares_the_rest(burst):
     """The first prompt of a burst needs passes of its own (it is longer); the two
     after it are alike (same length) and share theirs, and each gives the oracle's

@@ -13,10 +13,7 @@
 # MLX_USE_CUDA_GRAPHS=1; cuda-graphs-100: also MLX_MAX_OPS_PER_BUFFER=100), with Gemma 3's
 # prefill passes on the model code's ops (model-prefill: VLM_SERVE_FUSED_PREFILL=0), with
 # every cached prefix reused however short (short-prefixes:
-# VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1), with a turn's prefill work queued after its decode
-# step (deferred-prefill: VLM_SERVE_DEFER_PREFILL_LAUNCHES=1), with decode attention's keys
-# staged by each warp (staged-keys: VLM_SERVE_ATTENTION_STAGED_KEYS=1). mlx-vlm runs once
-# after them, unless MLX_VLM=0.
+# VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1). mlx-vlm runs once after them, unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -39,8 +36,6 @@ for variant in ${VARIANTS:-default}; do
     cuda-graphs-100) settings="MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=100" ;;
     model-prefill) settings="VLM_SERVE_FUSED_PREFILL=0" ;;
     short-prefixes) settings="VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1" ;;
-    deferred-prefill) settings="VLM_SERVE_DEFER_PREFILL_LAUNCHES=1" ;;
-    staged-keys) settings="VLM_SERVE_ATTENTION_STAGED_KEYS=1" ;;
     *) echo "unknown variant: $variant" >&2; continue ;;
   esac
   name=vlm-serve${settings:+-$variant}

@@ -21,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
-from . import prefill_launches
 from .decode.store import round_up_coarsely
 from .families import Family
 from .prefix_cache import PrefixCache, prefix_key
@@ -120,7 +119,7 @@ class Prefill:
             self.input_ids = self.input_ids[:, reused:]
             if not text_only:
                 self.embeds = self.embeds[:, reused:]
-        prefill_launches.launch(self.embeds)
+        mx.async_eval(self.embeds)
         return req.num_prompt_tokens if req.has_media else 1
 
     def _look_up(self) -> tuple[list | None, int]:
@@ -236,7 +235,7 @@ class Prefill:
         ids, embeds, kwargs = self.chunk_inputs(n)
         if not last:
             prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs, n)
-            prefill_launches.launch([c.state for c in self.cache])
+            mx.async_eval([c.state for c in self.cache])
             self.advance(n)
             return n
         if n == 1:

@@ -31,7 +31,6 @@ import os
 import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
-from . import prefill_launches
 from .families import Family
 from .prefill import (
     Prefill,
@@ -231,7 +230,7 @@ class PrefillGroup:
             self.cache = _stacked([m.cache for m in self.members])
         if not last:
             prefill_pass(self.model, self.family, ids, embeds, self.cache, kwargs, n)
-            prefill_launches.launch([c.state for c in self.cache])
+            mx.async_eval([c.state for c in self.cache])
             for member in self.members:
                 member.advance(n)
             return n * rows

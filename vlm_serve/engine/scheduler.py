@@ -25,7 +25,6 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import prefill_launches
 from .batch import Batch, JoiningRow
 from .decode.store import slot_bucket
 from .detokenize import TextAssembler
@@ -337,27 +336,20 @@ class Scheduler:
         self._turns += 1
         self._admit()
         budget, passes = self.config.prefill_token_budget, 0
-        # Where set, this turn's prefill work goes to the device after its decode
-        # step's launch (``prefill_launches``); flushed there (``_launch``), or below
-        # at the latest.
-        prefill_launches.defer()
-        try:
-            while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
-                budget -= self._prefill_step()
-                passes += 1
-            prefilled = time.perf_counter()
-            joined = len(self._ready)
-            self.batch.add(self._ready)
-            self._ready = []
-            self.peak_running = max(self.peak_running, len(self.running))
-            joined_at = time.perf_counter()
-            decoded = bool(self.running or self._inflight)
-            if decoded:
-                rows = len(self.running)
-                self._decode_step()
-                self.decode_times.turn(time.perf_counter() - started, rows)
-        finally:
-            prefill_launches.flush()
+        while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
+            budget -= self._prefill_step()
+            passes += 1
+        prefilled = time.perf_counter()
+        joined = len(self._ready)
+        self.batch.add(self._ready)
+        self._ready = []
+        self.peak_running = max(self.peak_running, len(self.running))
+        joined_at = time.perf_counter()
+        decoded = bool(self.running or self._inflight)
+        if decoded:
+            rows = len(self.running)
+            self._decode_step()
+            self.decode_times.turn(time.perf_counter() - started, rows)
         self._account()
         tokens = self.config.prefill_token_budget - budget
         reallocated = (store.reallocations if store is not None else 0) - reallocations
@@ -725,7 +717,6 @@ class Scheduler:
         since = times.add("build", since)
         mx.async_eval(out.tokens, *extras)
         times.add("queue", since)
-        prefill_launches.flush()  # the turn's held prefill work, behind the step
         return Step(out, states, extras)
 
     def _process(self, step: "Step") -> None:
