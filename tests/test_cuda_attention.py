@@ -57,21 +57,23 @@ def test_a_row_batched_equals_it_alone(dtype):
                               np.array(together[i:i + 1].astype(mx.float32))), f"row {i}"
 
 
-@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dim", [64, 80, 256])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_staged_keys_give_the_same_bits(dim, dtype, monkeypatch):
-    """A decode row's keys staged in shared memory by each warp (``STAGED_KEYS``) give
-    the bits of keys read lane by lane."""
+def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim, dtype, monkeypatch):
+    """A lane's several loads in flight (``KEY_LOADS``, ``VALUE_LOADS``) give decode rows
+    and a prefill pass's queries the bits of one load at a time."""
     rng = np.random.default_rng(dim)
     counts = mx.array([1, 33, 255, 300, 700], mx.int32)
     q, keys, values = _store(rng, 5, 8, 4, dim, 768, dtype)
+    pq, pk, pv = _pass(rng, 2, 8, 4, dim, 90, 30, dtype)
     outputs = []
-    for staged in (False, True):
-        monkeypatch.setattr(cuda_attention, "STAGED_KEYS", staged)
-        assert cuda_attention.stages_keys(2, dim, dtype) == staged
-        outputs.append(np.array(cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
-                                .astype(mx.float32)))
-    assert np.array_equal(*outputs)
+    for loads in ((cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS), (1, 1)):
+        monkeypatch.setattr(cuda_attention, "KEY_LOADS", loads[0])
+        monkeypatch.setattr(cuda_attention, "VALUE_LOADS", loads[1])
+        decoded = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
+        passed = cuda_attention.prefill_attention(pq, pk, pv, dim**-0.5, window=40, queries=2)
+        outputs.append([np.array(out.astype(mx.float32)) for out in (decoded, passed)])
+    assert np.array_equal(outputs[0][0], outputs[1][0]) and np.array_equal(outputs[0][1], outputs[1][1])
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (8, 1, 64), (28, 4, 128), (32, 16, 512)])

@@ -178,17 +178,20 @@ def test_decode_attention_takes_each_rows_own_keys(attention):
     assert np.array_equal(alone, out[2:3])
 
 
-@pytest.mark.parametrize("dim", [64, 256])
-def test_staged_keys_give_the_keys_read_lane_by_lane_their_bits(dim):
-    """Decode rows whose keys each warp stages in shared memory get the bits of keys
-    read lane by lane: rows whose counts end inside a round of 32 columns and inside a
-    chunk, and a row of one key."""
-    lane_by_lane = emulation.Attention(heads=4, kv_heads=2, dim=dim)
-    staged = emulation.Attention(heads=4, kv_heads=2, dim=dim, staged_keys=True)
+@pytest.mark.parametrize("dim", [80, 256])
+def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim):
+    """A lane's several loads in flight (runs of its key, columns' values) give decode
+    rows the bits of one load at a time: rows whose counts end inside a group of loads,
+    a round of 32 columns and a chunk, and a row of one key (at 80 dims a key's runs
+    do not fill the last group); and the queries of a prefill pass, two a block."""
+    one = emulation.Attention(heads=4, kv_heads=2, dim=dim, loads=(1, 1))
+    several = emulation.Attention(heads=4, kv_heads=2, dim=dim)
     rng = np.random.default_rng(dim)
-    counts = np.array([1, 45, 256, 300], np.int32)
-    q, k, v = _pass(rng, staged, len(counts), 1, 300)
-    assert np.array_equal(staged.decode(q, k, v, counts), lane_by_lane.decode(q, k, v, counts))
+    counts = np.array([1, 45, 258, 300], np.int32)
+    q, k, v = _pass(rng, several, len(counts), 1, 300)
+    assert np.array_equal(several.decode(q, k, v, counts), one.decode(q, k, v, counts))
+    q, k, v = _pass(rng, several, 2, 20, 70)
+    assert np.array_equal(several.prefill(q, k, v, window=48, queries=2), one.prefill(q, k, v, window=48, queries=2))
 
 
 def test_attention_heads_are_normed_and_rotated_alike_in_steps_and_passes():

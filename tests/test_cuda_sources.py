@@ -25,7 +25,7 @@ import mlx.nn as nn
 import pytest
 
 import kernel_emulation as emulation
-from vlm_serve.engine import cuda_matmul
+from vlm_serve.engine import cuda_matmul, padded_matmul
 from vlm_serve.engine.decode import cuda_attention, cuda_heads, cuda_norms
 
 TOOLKIT = emulation.cuda_toolkit("bin/nvcc")
@@ -83,7 +83,7 @@ class Launches:
         return launch
 
 
-KERNEL_CACHES = [cuda_matmul._kernel, cuda_attention._flash_kernel, cuda_attention._kernels, cuda_norms._kernel,
+KERNEL_CACHES = [cuda_matmul._kernel, padded_matmul._pad_kernel, cuda_attention._flash_kernel, cuda_attention._kernels, cuda_norms._kernel,
                  cuda_heads._kernel]
 
 
@@ -125,24 +125,26 @@ def _layer(width: int, out: int, dtype, bias: bool, bits: int | None = None) -> 
     return nn.QuantizedLinear.from_linear(layer, group_size=64, bits=bits) if bits else layer
 
 
-def test_every_matmul_kernel_compiles(launches):
+def test_every_matmul_kernel_compiles(launches, monkeypatch):
     """Plain bfloat16 weights at each block height (with rows loaded ahead and not), 4-
-    and 8-bit weights, float32; with and without a bias."""
+    and 8-bit weights, float32; with and without a bias; and the padded passes' rows."""
     for rows in (1, 40, 200):
         cuda_matmul.linear(mx.zeros((rows, 256), mx.bfloat16), _layer(256, 96, mx.bfloat16, True))
     cuda_matmul.linear(mx.zeros((3, 200), mx.bfloat16), _layer(200, 40, mx.bfloat16, False))  # a tail past 64
     for bits in (4, 8):
         cuda_matmul.linear(mx.zeros((40, 256), mx.bfloat16), _layer(256, 96, mx.bfloat16, True, bits))
     cuda_matmul.linear(mx.zeros((3, 72), mx.float32), _layer(72, 40, mx.float32, True))
-    assert len(launches.sources) >= 6
+    monkeypatch.setattr(padded_matmul, "cuda_available", lambda: True)
+    padded_matmul.pad_rows(mx.zeros((64, 10240), mx.bfloat16), 320)  # a padded pass's zero rows
+    assert len(launches.sources) >= 7
     _assert_all_compile(launches.sources)
 
 
 def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
     """The tensor-core prefill kernel at each head size it may take, whole and in
-    chunks, masked and not; the per-query prefill kernel, masked and not; decode, its
-    keys read lane by lane and staged; the parts' combination; the fused residual norm;
-    the attention heads, a pass's (and a step's)."""
+    chunks, masked and not; the per-query prefill kernel, masked and not; decode; the
+    parts' combination; the fused residual norm; the attention heads, a pass's (and a
+    step's)."""
     monkeypatch.setattr(cuda_attention, "FLASH_MAX_DIM", 512)
 
     def qkv(prompts, heads, kv_heads, length, columns, dim, dtype):
@@ -159,11 +161,9 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
         cuda_attention.prefill_attention(q, k, v, 0.125, window=16, queries=1)
         cuda_attention.prefill_attention(q, k, v, 0.125, causal=False, mask=mx.ones((2, 20, 40), mx.bool_),
                                          queries=1)
-        for staged in (False, True):  # keys read lane by lane, and staged by each warp
-            monkeypatch.setattr(cuda_attention, "STAGED_KEYS", staged)
-            for dim in (64, 256):
-                q, k, v = qkv(3, 8, 4, 1, 40, dim, dtype)
-                cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
+        for dim in (64, 80, 256):  # a key's runs in whole groups of loads, and not
+            q, k, v = qkv(3, 8, 4, 1, 40, dim, dtype)
+            cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
         hidden = mx.zeros((3, 256), dtype)
         cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
         for dim in (80, 256):  # threads past the head's pairs, and not

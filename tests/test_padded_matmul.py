@@ -61,6 +61,15 @@ def test_a_padded_pass_gives_each_row_the_plain_products_bits(rows):
     assert mx.array_equal(padded, layer(x.astype(mx.bfloat16)).astype(mx.float32)).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_padding_a_pass_keeps_its_rows_and_adds_zeros(dtype):
+    """On CUDA the engine's own kernel (elsewhere ``mx.pad``)."""
+    x = (mx.random.normal((37, 96)) * 100).astype(dtype)
+    out = padded_matmul.pad_rows(x, 64)
+    assert out.shape == (64, 96) and out.dtype == dtype
+    assert mx.array_equal(out[:37], x).item() and not mx.any(out[37:]).item()
+
+
 def test_a_decode_step_of_any_slot_bucket_from_8_rows_is_a_pass_size_of_its_own():
     """Steps run on the store's slot buckets: each that MLX's matmul was measured at (the
     multiples of 8) is a pass size, so a step of that many slots is not padded further."""

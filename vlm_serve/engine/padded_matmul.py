@@ -27,10 +27,13 @@ lost their no-op nodes).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..mlx_runtime import cuda_available
 from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 
 # The pass sizes a padded pass may take, in rows: steps of 64 up to the largest, and
@@ -168,4 +171,46 @@ def _padded(x: mx.array, module: nn.Module, floor: int, weight_t: mx.array | Non
     size = pass_size(n, floor)
     if size == n:
         return product(x, module, weight_t)
-    return product(mx.pad(x, ((0, size - n), (0, 0))), module, weight_t)[:n]
+    return product(pad_rows(x, size), module, weight_t)[:n]
+
+
+# The engine's kernel for a pass's zero rows (off: MLX's ``pad``, for comparison).
+PAD_KERNEL = True
+
+
+def pad_rows(x: mx.array, size: int) -> mx.array:
+    """``x`` (rows, width) with zero rows after it up to ``size`` rows. On CUDA one
+    kernel writing each word once: MLX's ``pad`` fills the whole output, then copies
+    ``x`` in, two kernels. For a Gemma-3-4B decode step's down projection (64 rows
+    padded to 320 of 10,240) on an H200, 4 us against 24 us: 0.7 ms less in a step of
+    34 layers (``bench/decode_kernels.py``)."""
+    width = x.shape[1]
+    if not (PAD_KERNEL and cuda_available() and (width * x.dtype.size) % 16 == 0):
+        return mx.pad(x, ((0, size - x.shape[0]), (0, 0)))
+    words = size * width * x.dtype.size // 16
+    (out,) = _pad_kernel()(
+        inputs=[x],
+        template=[("WORDS", words), ("ROW_WORDS", width * x.dtype.size // 16)],
+        grid=(-(-words // 256) * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(size, width)],
+        output_dtypes=[x.dtype],
+    )
+    return out
+
+
+@functools.cache
+def _pad_kernel():
+    return mx.fast.cuda_kernel(
+        name="vlm_pad_rows",
+        input_names=["x"],
+        output_names=["out"],
+        source="""
+  // One 16-byte word of the output a thread: x's where its row is one of x's, else zeros.
+  const size_t word = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (word >= WORDS) return;
+  uint4 value = make_uint4(0, 0, 0, 0);
+  if (word / ROW_WORDS < (size_t)x_shape[0]) value = reinterpret_cast<const uint4*>(x)[word];
+  reinterpret_cast<uint4*>(out)[word] = value;
+""",
+    )

@@ -16,10 +16,9 @@ row the same way whatever else is in the batch:
   dims), and the block combines its warps in order. At a batch of 128 rows, pass 1
   with a block per query head and a warp per column was 40% of a Gemma-3-4B step's
   GPU time (ncu); now 34 layers' attention take 0.7x the time of MLX's own
-  single-query kernel on rows of one length. With ``STAGED_KEYS``, a warp first
-  copies its round's keys to shared memory, 64 bytes of each at a time, and each lane
-  sums its key from there in the same order (the same bits, with a load instruction
-  touching a few cache lines instead of 32);
+  single-query kernel on rows of one length. A lane keeps several loads in flight
+  (``KEY_LOADS``, ``VALUE_LOADS``) and sums them in the same order as one at a time:
+  the pass waits on memory's round trips, not its bandwidth;
 - pass 2: one block per (row, query head) combines the chunks in order. Chunks past a
   row's count are empty and add exact zeros, so the number of chunks (which follows the
   store's columns) never changes a row's bits.
@@ -51,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import mlx.core as mx
 
@@ -59,11 +57,14 @@ from ...mlx_runtime import cuda_available as available  # noqa: F401 - this modu
 from ...mlx_runtime import kernel_constant
 
 CHUNK = 256  # columns per block of pass 1
-# Decode rows' keys staged in shared memory by each warp (see ``_PARTIAL``), where they
-# fit: the same bits, other memory traffic. VLM_SERVE_ATTENTION_STAGED_KEYS=1 turns it
-# on; off until timed on a GPU against the keys read lane by lane.
-STAGED_KEYS = os.environ.get("VLM_SERVE_ATTENTION_STAGED_KEYS", "0") == "1"
 WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
+# Loads a lane of pass 1 has in flight at once: runs of its column's key, and columns'
+# values of its dims (each a trip to memory the lane has nothing else to do during).
+# Either gives the bits of one at a time. H200, B=64 rows of ~580 keys, 34 layers under
+# ncu: 3.13 ms at 1 and 1, 2.47 at 4 and 4, 2.55 at 8 and 8 (76 and 100 registers a
+# thread against 60; ``bench/decode_kernels.py``).
+KEY_LOADS = 4
+VALUE_LOADS = 4
 # At most this many floats of query heads per block (QG * head dim): each head keeps its
 # query in shared memory, its output slice in registers and its warps' outputs in
 # shared memory.
@@ -174,13 +175,6 @@ _MASK_VISIBLE = """
 _PARTIAL = """
   const T* k_row = keys + kv_offset;
   const T* v_row = values + kv_offset;
-  // Where keys are staged (STAGED): a warp's round of 32 keys in shared memory, 64 bytes
-  // of each at a time, each row padded by 16 bytes so that lanes reading their own rows
-  // meet distinct banks.
-  constexpr int KEY_PIECE = 64 / sizeof(T);
-  constexpr int ROW_WORDS = 5;  // 16-byte words of a staged row: its 64 bytes and the pad
-  __shared__ uint4 k_words[STAGED ? WARPS * 32 * ROW_WORDS : 1];
-  auto staged_row = [&](int j) { return reinterpret_cast<T*>(k_words + (warp * 32 + j) * ROW_WORDS); };
   __syncthreads();
 
   // Lane `lane` owns value dims (span * 32 + lane) * STEP .. + STEP.
@@ -218,54 +212,27 @@ _PARTIAL = """
     float s[QQ][QG];
 #pragma unroll
     for (int qq = 0; qq < QQ; ++qq) for (int h = 0; h < QG; ++h) s[qq][h] = 0.0f;
-    if constexpr (STAGED) {
-      // The warp copies the round's keys to shared memory piece by piece, each key's
-      // piece in whole 16-byte runs side by side (a load instruction then touches a few
-      // cache lines, not one per lane), and each lane sums its own key's dims in the
-      // order of the loop below: the same arithmetic.
-      // (Only where keys come in whole 64-byte pieces: ``stages_keys``.)
-      constexpr int PIECE_LOADS = KEY_PIECE / VEC;  // 16-byte runs of one key's piece
-      const unsigned wanted = __ballot_sync(0xffffffff, any);
-      // (The unroll counts keep a Gemma-3-4B block at 63 registers a thread for sm_90,
-      // four blocks an SM as without staging; unrolled whole, 72.)
-      for (int p0 = 0; p0 < D; p0 += KEY_PIECE) {
-#pragma unroll 2
-        for (int i = lane; i < 32 * PIECE_LOADS; i += 32) {
-          const int j = i / PIECE_LOADS, part = i % PIECE_LOADS;
-          if ((wanted >> j) & 1) {
-            load_run<T, VEC>(k_row + (size_t)(c0 + j) * D + p0 + part * VEC, staged_row(j) + part * VEC);
-          }
-        }
-        __syncwarp();
-        if (any) {
-#pragma unroll 1
-          for (int d0 = 0; d0 < KEY_PIECE; d0 += VEC) {
-            alignas(16) T kv[VEC];
-            load_run<T, VEC>(staged_row(lane) + d0, kv);
-#pragma unroll
-            for (int t = 0; t < VEC; ++t) {
-              const float kf = static_cast<float>(kv[t]);
-#pragma unroll
-              for (int qq = 0; qq < QQ; ++qq)
-#pragma unroll
-                for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][p0 + d0 + t] * kf;
-            }
-          }
-        }
-        __syncwarp();
-      }
-    } else if (any) {
+    if (any) {
+      // KEY_LOADS of the key's runs loaded at once, then summed in dim order.
       const T* k = k_row + (size_t)c * D;
-      for (int d0 = 0; d0 < D; d0 += STEP) {
-        alignas(16) T kv[STEP];
-        load_run<T, STEP>(k + d0, kv);
+      constexpr int RUNS = D / STEP;
+      for (int r0 = 0; r0 < RUNS; r0 += KEY_LOADS) {
+        alignas(16) T kv[KEY_LOADS][STEP];
 #pragma unroll
-        for (int t = 0; t < STEP; ++t) {
-          const float kf = static_cast<float>(kv[t]);
+        for (int r = 0; r < KEY_LOADS; ++r) {
+          if (r0 + r < RUNS) load_run<T, STEP>(k + (r0 + r) * STEP, kv[r]);
+        }
 #pragma unroll
-          for (int qq = 0; qq < QQ; ++qq)
+        for (int r = 0; r < KEY_LOADS; ++r) {
+          if (r0 + r >= RUNS) break;
 #pragma unroll
-            for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][d0 + t] * kf;
+          for (int t = 0; t < STEP; ++t) {
+            const float kf = static_cast<float>(kv[r][t]);
+#pragma unroll
+            for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+              for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][(r0 + r) * STEP + t] * kf;
+          }
         }
       }
     }
@@ -286,28 +253,43 @@ _PARTIAL = """
       }
     }
     // The round's seen columns in order (never a value no query sees, which a masked-out
-    // padding row may hold as anything).
-    for (unsigned live = __ballot_sync(0xffffffff, any); live != 0; live &= live - 1) {
-      const int i = __ffs(live) - 1;
-      float pc[QQ][QG];
+    // padding row may hold as anything), VALUE_LOADS columns' values loaded at once.
+    static_assert(32 % VALUE_LOADS == 0, "a round's columns in whole groups of loads");
+    const unsigned live = __ballot_sync(0xffffffff, any);
+    for (int i0 = 0; i0 < 32; i0 += VALUE_LOADS) {
+      const unsigned seen = (live >> i0) & (0xffffffffu >> (32 - VALUE_LOADS));
+      if (seen == 0) continue;
+      alignas(16) T vv[VALUE_LOADS][SPANS][STEP];
 #pragma unroll
-      for (int qq = 0; qq < QQ; ++qq)
+      for (int i = 0; i < VALUE_LOADS; ++i) {
+        if (!((seen >> i) & 1)) continue;
+        const T* v = v_row + (size_t)(c0 + i0 + i) * D;
 #pragma unroll
-        for (int h = 0; h < QG; ++h) pc[qq][h] = __shfl_sync(0xffffffff, p[qq][h], i);
-      const T* v = v_row + (size_t)(c0 + i) * D;
+        for (int j = 0; j < SPANS; ++j) {
+          const int d0 = (j * 32 + lane) * STEP;
+          if (d0 < D) load_run<T, STEP>(v + d0, vv[i][j]);
+        }
+      }
 #pragma unroll
-      for (int j = 0; j < SPANS; ++j) {
-        const int d0 = (j * 32 + lane) * STEP;
-        if (d0 >= D) break;
-        alignas(16) T vv[STEP];
-        load_run<T, STEP>(v + d0, vv);
+      for (int i = 0; i < VALUE_LOADS; ++i) {
+        if (!((seen >> i) & 1)) continue;
+        float pc[QQ][QG];
 #pragma unroll
-        for (int t = 0; t < STEP; ++t) {
-          const float vf = static_cast<float>(vv[t]);
+        for (int qq = 0; qq < QQ; ++qq)
 #pragma unroll
-          for (int qq = 0; qq < QQ; ++qq)
+          for (int h = 0; h < QG; ++h) pc[qq][h] = __shfl_sync(0xffffffff, p[qq][h], i0 + i);
 #pragma unroll
-            for (int h = 0; h < QG; ++h) o[qq][h][j][t] += pc[qq][h] * vf;
+        for (int j = 0; j < SPANS; ++j) {
+          const int d0 = (j * 32 + lane) * STEP;
+          if (d0 >= D) break;
+#pragma unroll
+          for (int t = 0; t < STEP; ++t) {
+            const float vf = static_cast<float>(vv[i][j][t]);
+#pragma unroll
+            for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+              for (int h = 0; h < QG; ++h) o[qq][h][j][t] += pc[qq][h] * vf;
+          }
         }
       }
     }
@@ -628,15 +610,6 @@ def _kernels(scale: float, opening: str = "decode"):
     return partial, combine
 
 
-def stages_keys(group: int, dim: int, dtype: mx.Dtype) -> bool:
-    """Whether a decode block of ``group`` heads of ``dim`` stages its warps' keys
-    (``STAGED_KEYS``): keys of whole 64-byte pieces, and the staging beside the block's
-    queries and its warps' sums within the 48 KB a kernel may declare."""
-    staging = WARPS * 32 * (64 + 16)
-    return (STAGED_KEYS and dim % (64 // dtype.size) == 0
-            and 4 * group * dim * (1 + WARPS) + staging <= 48 * 1024)
-
-
 def heads_per_block(heads: int, kv_heads: int, dim: int) -> int:
     """Query heads one block of pass 1 computes: the most of one key/value head's that
     divide them evenly within ``GROUP_FLOATS``."""
@@ -656,7 +629,7 @@ def decode_attention(
     slots, heads, _, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim,
-                      group, [("QQ", 1), ("STAGED", stages_keys(group, dim, q.dtype))])
+                      group, [("QQ", 1)])
 
 
 # The most queries of a prefill pass a block of pass 1 takes by default. Any number gives
@@ -713,7 +686,7 @@ def prefill_attention(
     prompts, heads, length, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     queries = queries or queries_per_block(group, dim, q.dtype, length)
-    template = [("QQ", queries), ("STAGED", False), ("CAUSAL", causal),
+    template = [("QQ", queries), ("CAUSAL", causal),
                 ("WINDOW", (window or 0) if causal else 0)]
     shift = column_shift(origin)
     inputs = [q, keys, values] + ([] if mask is None else [mask]) + [_shift_input(shift)]
@@ -826,7 +799,8 @@ def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: i
     group = group or heads_per_block(heads, kv_heads, dim)
     partial_kernel, combine_kernel = kernels
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads), ("QG", group),
-                ("CHUNK", CHUNK), ("WARPS", WARPS), *template]
+                ("CHUNK", CHUNK), ("WARPS", WARPS), *template, ("KEY_LOADS", KEY_LOADS),
+                ("VALUE_LOADS", VALUE_LOADS)]
     (partial,) = partial_kernel(
         inputs=inputs,
         template=template,

@@ -1,0 +1,103 @@
+"""Two parts of the engine's CUDA decode step, each way it may run: decode attention
+with a lane's loads in flight (``cuda_attention.KEY_LOADS``/``VALUE_LOADS``) or one at a
+time, and a padded pass's zero rows by the engine's kernel (``padded_matmul.pad_rows``)
+or MLX's ``pad``. ``--part attention`` / ``--part pad`` run one of them 34 times (the
+Gemma-3-4B shape's layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of
+~580 keys in a store of 640 columns; a down projection's 64 rows of 10,240 padded to
+320) between the CUDA profiler's start and stop, for ncu's GPU time per kernel;
+``--part steps`` times the whole compiled decode step of ``--model`` at 64 ragged rows,
+the old ways and the new alternating in one process. CUDA only.
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \\
+        --csv python bench/decode_kernels.py --part attention --loads 1,1 > attention.csv
+    python bench/step_kernels.py --summarize attention.csv
+    python bench/decode_kernels.py --part steps --model DIR --context 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+
+import mlx.core as mx
+
+from vlm_serve.engine import padded_matmul
+from vlm_serve.engine.decode import cuda_attention
+
+LAYERS = 34
+
+
+def _profiled(one) -> None:
+    for _ in range(3):
+        mx.eval(one())
+    mx.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    for _ in range(2):
+        mx.eval(one())
+    mx.synchronize()
+    cuda.cuProfilerStop()
+
+
+def attention(rows: int) -> None:
+    columns = 640
+    q = [mx.random.normal((rows, 8, 1, 256)).astype(mx.bfloat16) for _ in range(LAYERS)]
+    keys, values = ([mx.random.normal((rows, 4, columns, 256)).astype(mx.bfloat16) for _ in range(LAYERS)]
+                    for _ in range(2))
+    counts = mx.array([560 + (i * 7) % 41 for i in range(rows)], mx.int32)
+    mx.eval(q, keys, values, counts)
+    _profiled(lambda: [cuda_attention.decode_attention(q[i], keys[i], values[i], counts, 0.0625)
+                       for i in range(LAYERS)])
+
+
+def pad() -> None:
+    x = mx.random.normal((64, 10240)).astype(mx.bfloat16)
+    mx.eval(x)
+    # Each pass's rows a product of their own, as each layer's are.
+    _profiled(lambda: [padded_matmul.pad_rows(x * (1 + i), 320) for i in range(LAYERS)])
+
+
+def steps(model_dir: str, context: int, rounds: int) -> None:
+    from mlx_vlm import load
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from decode_step import engine_step
+
+    from vlm_serve.engine.families import family_for
+
+    model, _ = load(model_dir)
+    ways = {"loads 1,1 and MLX's pad": (1, 1, False),
+            "defaults": (cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS, True)}
+    for n in range(rounds):
+        for name, (key_loads, value_loads, pad_kernel) in ways.items():
+            cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = key_loads, value_loads
+            padded_matmul.PAD_KERNEL = pad_kernel
+            family_for(model)._decoder = None  # a step compiled anew for each way
+            print(f"round {n}, {name}: {engine_step(model, 64, context, 48, True):.3f} ms a step", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("attention", "pad", "steps"), required=True)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--loads", default=None, help="attention: a lane's key and value loads in flight, e.g. 1,1")
+    p.add_argument("--mlx-pad", action="store_true", help="pad: MLX's pad, not the engine's kernel")
+    p.add_argument("--model")
+    p.add_argument("--context", type=int, default=480)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    if args.loads:
+        cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = (int(n) for n in args.loads.split(","))
+    padded_matmul.PAD_KERNEL = not args.mlx_pad
+    if args.part == "attention":
+        attention(args.rows)
+    elif args.part == "pad":
+        pad()
+    else:
+        steps(args.model, args.context, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
