@@ -83,8 +83,8 @@ class Launches:
         return launch
 
 
-KERNEL_CACHES = [cuda_matmul._kernel, padded_matmul._pad_kernel, cuda_attention._flash_kernel, cuda_attention._kernels, cuda_norms._kernel,
-                 cuda_heads._kernel]
+KERNEL_CACHES = [cuda_matmul._kernel, padded_matmul._pad_kernel, cuda_attention._flash_kernel,
+                 cuda_attention._kernels, cuda_norms._kernel, cuda_heads._kernel]
 
 
 @pytest.fixture
