@@ -62,6 +62,7 @@ def test_a_row_batched_equals_it_alone(dtype):
 def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim, dtype, monkeypatch):
     """A lane's several loads in flight (``KEY_LOADS``, ``VALUE_LOADS``) give decode rows
     and a prefill pass's queries the bits of one load at a time."""
+    assert cuda_attention.loads_in_flight(2, dim, dtype, 1) == (cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS)
     rng = np.random.default_rng(dim)
     counts = mx.array([1, 33, 255, 300, 700], mx.int32)
     q, keys, values = _store(rng, 5, 8, 4, dim, 768, dtype)
@@ -71,7 +72,7 @@ def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim, dtype, monkeyp
         monkeypatch.setattr(cuda_attention, "KEY_LOADS", loads[0])
         monkeypatch.setattr(cuda_attention, "VALUE_LOADS", loads[1])
         decoded = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
-        passed = cuda_attention.prefill_attention(pq, pk, pv, dim**-0.5, window=40, queries=2)
+        passed = cuda_attention.prefill_attention(pq, pk, pv, dim**-0.5, window=40, queries=1)
         outputs.append([np.array(out.astype(mx.float32)) for out in (decoded, passed)])
     assert np.array_equal(outputs[0][0], outputs[1][0]) and np.array_equal(outputs[0][1], outputs[1][1])
 

@@ -161,8 +161,10 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
         cuda_attention.prefill_attention(q, k, v, 0.125, window=16, queries=1)
         cuda_attention.prefill_attention(q, k, v, 0.125, causal=False, mask=mx.ones((2, 20, 40), mx.bool_),
                                          queries=1)
-        for dim in (64, 80, 256):  # a key's runs in whole groups of loads, and not
-            q, k, v = qkv(3, 8, 4, 1, 40, dim, dtype)
+        # A key's runs in whole groups of loads and not; 7 heads of 128 a block, whose
+        # lanes load one at a time.
+        for heads, dim in ((8, 64), (8, 80), (8, 256), (28, 128)):
+            q, k, v = qkv(3, heads, 4, 1, 40, dim, dtype)
             cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
         hidden = mx.zeros((3, 256), dtype)
         cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
@@ -171,4 +173,5 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
             heads = cuda_heads.AttentionHeads(8, 4, dim, norm, norm, 1e-6, nn.RoPE(dim, base=1e6, scale=0.125))
             heads.fused(mx.zeros((6, 16 * dim), dtype), mx.zeros((3,), mx.int32), length=2)
     assert len(launches.sources) >= 16
+    assert cuda_attention.loads_in_flight(7, 128, mx.bfloat16, 1) == (1, 1)
     _assert_all_compile(launches.sources)

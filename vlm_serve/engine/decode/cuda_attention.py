@@ -16,9 +16,9 @@ row the same way whatever else is in the batch:
   dims), and the block combines its warps in order. At a batch of 128 rows, pass 1
   with a block per query head and a warp per column was 40% of a Gemma-3-4B step's
   GPU time (ncu); now 34 layers' attention take 0.7x the time of MLX's own
-  single-query kernel on rows of one length. A lane keeps several loads in flight
-  (``KEY_LOADS``, ``VALUE_LOADS``) and sums them in the same order as one at a time:
-  the pass waits on memory's round trips, not its bandwidth;
+  single-query kernel on rows of one length. Where its sums are few, a lane keeps
+  several loads in flight (``loads_in_flight``) and sums them in the same order as one
+  at a time: the pass waits on memory's round trips, not its bandwidth;
 - pass 2: one block per (row, query head) combines the chunks in order. Chunks past a
   row's count are empty and add exact zeros, so the number of chunks (which follows the
   store's columns) never changes a row's bits.
@@ -58,13 +58,19 @@ from ...mlx_runtime import kernel_constant
 
 CHUNK = 256  # columns per block of pass 1
 WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
-# Loads a lane of pass 1 has in flight at once: runs of its column's key, and columns'
-# values of its dims (each a trip to memory the lane has nothing else to do during).
-# Either gives the bits of one at a time. H200, B=64 rows of ~580 keys, 34 layers under
-# ncu: 3.13 ms at 1 and 1, 2.47 at 4 and 4, 2.55 at 8 and 8 (76 and 100 registers a
-# thread against 60; ``bench/decode_kernels.py``).
+# Loads a lane of pass 1 has in flight at once, where its sums are few
+# (``loads_in_flight``): runs of its column's key, and columns' values of its dims (each
+# a trip to memory the lane has nothing else to do during). Any number gives the bits of
+# one at a time. H200, Gemma-3-4B shape, B=64 rows of ~580 keys, 34 layers under ncu:
+# 3.13 ms at 1 and 1, 2.47 at 4 and 4, 2.55 at 8 and 8 (76 and 100 registers a thread
+# against 60; ``bench/decode_kernels.py``).
 KEY_LOADS = 4
 VALUE_LOADS = 4
+# A lane's weighted values (floats) up to which it takes those loads: Gemma 3's. Wider
+# sums already hold the registers the loads would take (nvcc for sm_90: Qwen2.5-VL's 7
+# heads of 128 from 128 to 142 registers a thread, one block an SM instead of two;
+# Gemma 4's heads of 512 from 72 to 122), and have not been timed with them.
+FEW_SUMS = 16
 # At most this many floats of query heads per block (QG * head dim): each head keeps its
 # query in shared memory, its output slice in registers and its warps' outputs in
 # shared memory.
@@ -647,11 +653,26 @@ def queries_per_block(group: int, dim: int, dtype: mx.Dtype, length: int) -> int
     registers a thread at 4 queries, 250 at 8) and the block's queries and warps in
     shared memory, up to 8, and no more than the pass has. Any number gives each query
     the same bits."""
-    step = 16 // dtype.size if dim % (16 // dtype.size) == 0 else 1
-    per_query = group * -(-dim // (32 * step)) * step  # a lane's weighted values
+    per_query = lane_sums(group, dim, dtype)
     fits = [n for n in (8, 4, 2, 1) if n <= min(MAX_QUERIES_PER_BLOCK, queries_in_shared_memory(group, dim))
             and n * per_query <= 64]
     return next(n for n in fits if n == 1 or n // 2 < length)
+
+
+def lane_sums(group: int, dim: int, dtype: mx.Dtype) -> int:
+    """The weighted values (floats) a lane of pass 1 keeps for one query of ``group``
+    heads of ``dim``: its runs of each head's value dims."""
+    step = 16 // dtype.size if dim % (16 // dtype.size) == 0 else 1
+    return group * -(-dim // (32 * step)) * step
+
+
+def loads_in_flight(group: int, dim: int, dtype: mx.Dtype, queries: int) -> tuple[int, int]:
+    """A lane's loads in flight of keys and of values: ``KEY_LOADS`` and
+    ``VALUE_LOADS`` where its sums for the block's ``queries`` are few (``FEW_SUMS``),
+    else one at a time."""
+    if queries * lane_sums(group, dim, dtype) <= FEW_SUMS:
+        return KEY_LOADS, VALUE_LOADS
+    return 1, 1
 
 
 def queries_in_shared_memory(group: int, dim: int) -> int:
@@ -798,9 +819,10 @@ def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: i
     chunks = max(1, -(-(columns + shift) // CHUNK))
     group = group or heads_per_block(heads, kv_heads, dim)
     partial_kernel, combine_kernel = kernels
+    key_loads, value_loads = loads_in_flight(group, dim, q.dtype, dict(template)["QQ"])
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads), ("QG", group),
-                ("CHUNK", CHUNK), ("WARPS", WARPS), *template, ("KEY_LOADS", KEY_LOADS),
-                ("VALUE_LOADS", VALUE_LOADS)]
+                ("CHUNK", CHUNK), ("WARPS", WARPS), *template, ("KEY_LOADS", key_loads),
+                ("VALUE_LOADS", value_loads)]
     (partial,) = partial_kernel(
         inputs=inputs,
         template=template,
