@@ -187,11 +187,13 @@ def pad_rows(x: mx.array, size: int) -> mx.array:
     width = x.shape[1]
     if not (PAD_KERNEL and cuda_available() and (width * x.dtype.size) % 16 == 0):
         return mx.pad(x, ((0, size - x.shape[0]), (0, 0)))
-    words = size * width * x.dtype.size // 16
+    row_words = width * x.dtype.size // 16
+    # The size is an input, not a template argument: a kernel is compiled per row width
+    # only, not again for each pass size a prefill meets.
     (out,) = _pad_kernel()(
-        inputs=[x],
-        template=[("WORDS", words), ("ROW_WORDS", width * x.dtype.size // 16)],
-        grid=(-(-words // 256) * 256, 1, 1),
+        inputs=[x, _rows_input(size)],
+        template=[("ROW_WORDS", row_words)],
+        grid=(-(-size * row_words // 256) * 256, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(size, width)],
         output_dtypes=[x.dtype],
@@ -200,15 +202,20 @@ def pad_rows(x: mx.array, size: int) -> mx.array:
 
 
 @functools.cache
+def _rows_input(size: int) -> mx.array:
+    return mx.array([size], mx.int32)
+
+
+@functools.cache
 def _pad_kernel():
     return mx.fast.cuda_kernel(
         name="vlm_pad_rows",
-        input_names=["x"],
+        input_names=["x", "rows"],
         output_names=["out"],
         source="""
   // One 16-byte word of the output a thread: x's where its row is one of x's, else zeros.
   const size_t word = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (word >= WORDS) return;
+  if (word >= (size_t)rows[0] * ROW_WORDS) return;
   uint4 value = make_uint4(0, 0, 0, 0);
   if (word / ROW_WORDS < (size_t)x_shape[0]) value = reinterpret_cast<const uint4*>(x)[word];
   reinterpret_cast<uint4*>(out)[word] = value;
