@@ -17,7 +17,6 @@ the old ways and the new alternating in one process. CUDA only.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 
@@ -26,19 +25,10 @@ import mlx.core as mx
 from vlm_serve.engine import padded_matmul
 from vlm_serve.engine.decode import cuda_attention
 
+sys.path.insert(0, os.path.dirname(__file__))
+from step_kernels import profiled  # noqa: E402
+
 LAYERS = 34
-
-
-def _profiled(one) -> None:
-    for _ in range(3):
-        mx.eval(one())
-    mx.synchronize()
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuProfilerStart()
-    for _ in range(2):
-        mx.eval(one())
-    mx.synchronize()
-    cuda.cuProfilerStop()
 
 
 def attention(rows: int) -> None:
@@ -48,7 +38,7 @@ def attention(rows: int) -> None:
                     for _ in range(2))
     counts = mx.array([560 + (i * 7) % 41 for i in range(rows)], mx.int32)
     mx.eval(q, keys, values, counts)
-    _profiled(lambda: [cuda_attention.decode_attention(q[i], keys[i], values[i], counts, 0.0625)
+    profiled(lambda: [cuda_attention.decode_attention(q[i], keys[i], values[i], counts, 0.0625)
                        for i in range(LAYERS)])
 
 
@@ -56,14 +46,12 @@ def pad() -> None:
     x = mx.random.normal((64, 10240)).astype(mx.bfloat16)
     mx.eval(x)
     # Each pass's rows a product of their own, as each layer's are.
-    _profiled(lambda: [padded_matmul.pad_rows(x * (1 + i), 320) for i in range(LAYERS)])
+    profiled(lambda: [padded_matmul.pad_rows(x * (1 + i), 320) for i in range(LAYERS)])
 
 
 def steps(model_dir: str, context: int, rounds: int) -> None:
-    from mlx_vlm import load
-
-    sys.path.insert(0, os.path.dirname(__file__))
     from decode_step import engine_step
+    from mlx_vlm import load
 
     from vlm_serve.engine.families import family_for
 

@@ -22,7 +22,7 @@ import os
 import sys
 
 
-def _profiled(one, warm_up: int = 3) -> None:
+def profiled(one, warm_up: int = 3) -> None:
     """Run ``one()`` (evaluated) ``warm_up`` times, then twice between the CUDA
     profiler's start and stop."""
     import mlx.core as mx
@@ -48,7 +48,7 @@ def profile(model_dir: str, rows: int, context: int, compiled: bool = False) -> 
     batch = build_engine_batch(model, rows, context, 40, ragged=True, use_decoder=True)
     if not compiled:
         batch.decoder.compiled = None
-    _profiled(lambda: batch.step().tokens, warm_up=4)
+    profiled(lambda: batch.step().tokens, warm_up=4)
 
 
 def profile_prefill(model_dir: str, rows: int, length: int) -> None:
@@ -66,7 +66,7 @@ def profile_prefill(model_dir: str, rows: int, length: int) -> None:
     def one():
         return prefill_pass(model, family, ids, lm.model.embed_tokens(ids), lm.make_cache(), {})[0]
 
-    _profiled(one)
+    profiled(one)
 
 
 def profile_tower(model_dir: str, images: int) -> None:
@@ -84,7 +84,7 @@ def profile_tower(model_dir: str, images: int) -> None:
     def one():
         return family.encode_images(ids, pixels, {"pixel_values": pixels})
 
-    _profiled(one)
+    profiled(one)
 
 
 def summarize(path: str, top: int = 25) -> None:

@@ -633,7 +633,6 @@ def decode_attention(
     ``heads_per_block``; any divisor of the heads sharing a key/value head gives the
     same bits). Returns (slots, heads * dim) in ``q``'s dtype."""
     slots, heads, _, dim = q.shape
-    group = group or heads_per_block(heads, keys.shape[1], dim)
     return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim,
                       group, [("QQ", 1)])
 
@@ -707,8 +706,7 @@ def prefill_attention(
     prompts, heads, length, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     queries = queries or queries_per_block(group, dim, q.dtype, length)
-    template = [("QQ", queries), ("CAUSAL", causal),
-                ("WINDOW", (window or 0) if causal else 0)]
+    template = [("QQ", queries), ("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
     shift = column_shift(origin)
     inputs = [q, keys, values] + ([] if mask is None else [mask]) + [_shift_input(shift)]
     opening = "prefill" if mask is None else "masked"
