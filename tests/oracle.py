@@ -14,6 +14,7 @@ import pytest
 from mlx_vlm.generate import generate_step
 
 from vlm_serve.engine import quantized_check, row_exact
+from vlm_serve.engine.model_inputs import model_arrays
 from vlm_serve.engine.prefill import Prefill
 from vlm_serve.engine.types import PreparedRequest, SamplingParams
 
@@ -22,10 +23,7 @@ def mlx_vlm_greedy(model, prepared, prefill_step_size: int | None, eos=()) -> li
     """The tokens mlx-vlm's ``generate_step`` gives ``prepared`` alone (up to its
     ``max_tokens``, ending at a token of ``eos``); ``prefill_step_size`` None prefills
     the whole prompt at once."""
-    arrays = {
-        k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
-        for k, v in prepared.model_inputs.items()
-    }
+    arrays = model_arrays(prepared)
     pixel_values = arrays.pop("pixel_values", None)
     mask = arrays.pop("attention_mask", None)
     ids = mx.array(prepared.input_ids)[None]

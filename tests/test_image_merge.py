@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from vlm_serve.engine.families import family_for
+from vlm_serve.engine.model_inputs import model_arrays
 from vlm_serve.engine.loader import load
 from vlm_serve.engine.types import SamplingParams
 from vlm_serve.preprocess.media import MediaPolicy
@@ -32,7 +33,7 @@ def _inputs(loaded, images: list) -> tuple[mx.array, dict]:
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "What is in these?"}]
     prompt = render_chat(ctx, [{"role": "user", "content": content}])
     prepared = prepare_prompt(ctx, "merge", prompt, SamplingParams(max_tokens=1), images)
-    inputs = {k: mx.array(v) for k, v in prepared.model_inputs.items()}
+    inputs = model_arrays(prepared)
     return mx.array(prepared.input_ids, mx.int32)[None], inputs
 
 

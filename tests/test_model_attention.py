@@ -20,6 +20,7 @@ from mlx_vlm.models.cache import make_prompt_cache
 from vlm_serve.engine import model_attention, row_exact
 from vlm_serve.engine.decode import attention, cuda_attention
 from vlm_serve.engine.families import family_for
+from vlm_serve.engine.model_inputs import model_arrays
 from vlm_serve.engine.loader import resolve_chat_template
 from vlm_serve.engine.types import SamplingParams
 from vlm_serve.preprocess.media import MediaPolicy
@@ -72,8 +73,7 @@ def _image_request(model_dir, processor, model_type: str):
 
 def _logits(model, prepared) -> np.ndarray:
     """Every position's logits of one whole pass, as the engine embeds and runs it."""
-    inputs = {k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
-              for k, v in prepared.model_inputs.items()}
+    inputs = model_arrays(prepared)
     ids = mx.array(prepared.input_ids)[None]
     embeds, kwargs = family_for(model).embed(ids, inputs)
     cache = make_prompt_cache(model.language_model)

@@ -22,6 +22,7 @@ from mlx_vlm import load as vlm_load
 from mlx_vlm import stream_generate
 
 from vlm_serve.engine.engine import Engine
+from vlm_serve.engine.model_inputs import model_arrays
 from vlm_serve.engine.scheduler import SchedulerConfig
 from vlm_serve.engine.tower_sharing import cut
 from vlm_serve.engine.types import FinishReason, SamplingParams
@@ -579,7 +580,7 @@ def test_burst_shares_the_vision_tower_and_the_cache_still_serves(burst, monkeyp
     first = run_burst(burst, [(burst.prepare(c, f"t1-{c.name}"), None, None) for c in cases])
     if family.batch_vision:  # on CUDA, in calls of the sizes checked to keep each image's bits
         sharing = family.tower_sharing
-        pixels = mx.array(burst.prepare(cases[0], "pixels").model_inputs["pixel_values"])
+        pixels = model_arrays(burst.prepare(cases[0], "pixels"))["pixel_values"]
         sizes = sharing.sizes(pixels) if sharing is not None else (len(cases),)
         shared = sum(n for n in cut(len(cases), sizes) if n > 1)
         assert scheduler.shared_tower_requests >= towers + shared

@@ -327,12 +327,14 @@ def test_control_channel_carries_plans_and_catches_a_follower_that_went_its_own_
     leader, follower, failures = _leader_and_follower()
     try:
         request = PreparedRequest("r1", np.arange(5, dtype=np.int32), SamplingParams(seed=3),
-                                  {"pixel_values": np.ones((1, 3, 4, 4), np.float32)}, num_images=1)
+                                  {"pixel_values": np.ones((1, 3, 4, 4), np.uint8)}, num_images=1,
+                                  pixel_table=np.linspace(-1, 1, 3 * 256, dtype=np.float32).reshape(3, 256))
         plan = [Submit(request), Remove("r0", FinishReason.TIMEOUT, "request timed out")]
         leader.broadcast(plan)
         got = follower.receive(5)
         assert got[1] == plan[1] and got[0].request.sampling == request.sampling
         assert np.array_equal(got[0].request.model_inputs["pixel_values"], request.model_inputs["pixel_values"])
+        assert np.array_equal(got[0].request.pixel_table, request.pixel_table)
         # Same tokens before turn 1: heartbeats agree.
         leader.begin_turn(digest=11)
         follower.mark = (1, 11)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from vlm_serve.engine import row_exact
+from vlm_serve.engine.model_inputs import model_arrays
 from vlm_serve.engine.tower_sharing import SIZES, TowerSharing, cut
 
 from conftest import make_image
@@ -43,7 +44,7 @@ def harness(request, model_path):
 
 def _one_image_pixels(h: Harness, seed: int) -> mx.array:
     prepared = h.prepare(Case("pixels", "What is in it?", [make_image(48, 48, seed)]), "pixels")
-    return mx.array(prepared.model_inputs["pixel_values"])
+    return model_arrays(prepared)["pixel_values"]
 
 
 cpu_only = pytest.mark.skipif(row_exact.applies(), reason="on CUDA the kernels decide the sizes; "

@@ -23,6 +23,7 @@ from mlx_vlm.models import cache as vlm_cache
 
 from .decode.store import round_up_coarsely
 from .families import Family
+from .model_inputs import model_arrays
 from .prefix_cache import PrefixCache, prefix_key
 from .types import PreparedRequest
 
@@ -93,12 +94,7 @@ class Prefill:
         if self._text_after_cached_images:
             return {}, None
         features = self.family.cached_features(req.image_digests) if req.has_media else None
-        inputs = {
-            k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v)
-            for k, v in req.model_inputs.items()
-            if not (features is not None and k == "pixel_values")
-        }
-        return inputs, features
+        return model_arrays(req, leave_out=("pixel_values",) if features is not None else ()), features
 
     def embed(self, inputs: dict, features=None) -> int:
         """Embed the prompt (``features``: its images' projected features, already

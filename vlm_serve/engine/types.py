@@ -59,6 +59,10 @@ class PreparedRequest:
     num_images: int = 0
     image_digests: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() after which the row is stopped
+    # Where set, model_inputs' pixel_values are the image processor's uint8 values and
+    # each (channel, value) becomes this (channels, 256) table's float on the worker
+    # (``preprocess.packed_pixels``, ``engine.model_inputs``).
+    pixel_table: np.ndarray | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -38,6 +38,7 @@ from PIL import Image
 from ..preprocess.media import MediaPolicy
 from ..preprocess.prompt import PromptContext, prepare_prompt, render_chat
 from .decode.store import COLUMN_STEP, round_up_coarsely, slot_bucket, slot_buckets
+from .model_inputs import model_arrays
 from .prefill import PASS_STEP, Prefill
 from .types import PreparedRequest, SamplingParams
 
@@ -118,7 +119,7 @@ def _check_tower_sharing(family, image_request: PreparedRequest) -> None:
     for it and every call size has run once."""
     pixels = image_request.model_inputs.get("pixel_values")
     if family.tower_sharing is not None and isinstance(pixels, np.ndarray) and pixels.shape[0] == 1:
-        family.tower_sharing.sizes(mx.array(pixels))
+        family.tower_sharing.sizes(model_arrays(image_request)["pixel_values"])
 
 
 def _padded_passes(loaded, scheduler, base: PreparedRequest) -> list[int]:

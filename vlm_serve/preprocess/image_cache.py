@@ -208,7 +208,7 @@ def _stacked(output):
         return output
     out = copy.copy(output)
     for k, v in out.items():
-        if (isinstance(v, list) and v and all(isinstance(a, np.ndarray) and a.dtype.kind == "f" for a in v)
+        if (isinstance(v, list) and v and all(isinstance(a, np.ndarray) and _is_pixels(a) for a in v)
                 and len({(a.shape, a.dtype) for a in v}) == 1):
             out[k] = np.stack(v)
     return out
@@ -217,7 +217,7 @@ def _stacked(output):
 def _fresh(value, hold: bool = False):
     """A copy of a cached output that a caller may pop from or add to (processors do:
     Gemma 3's pops ``num_crops``); containers are copied, arrays shared read-only, and
-    with ``hold`` pixels (float arrays) wrapped as ``HeldArray``."""
+    with ``hold`` pixels wrapped as ``HeldArray``."""
     if isinstance(value, list):
         return [_fresh(v, hold) for v in value]
     if isinstance(value, tuple):
@@ -227,6 +227,12 @@ def _fresh(value, hold: bool = False):
         for k, v in out.items():
             out[k] = _fresh(v, hold)
         return out
-    if hold and isinstance(value, np.ndarray) and value.dtype.kind == "f":
+    if hold and isinstance(value, np.ndarray) and _is_pixels(value):
         return HeldArray(value)
     return value
+
+
+def _is_pixels(array: np.ndarray) -> bool:
+    """Floats, or uint8 values where the image processor stops before rescaling
+    (``packed_pixels``)."""
+    return array.dtype.kind == "f" or array.dtype == np.uint8

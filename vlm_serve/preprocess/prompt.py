@@ -19,6 +19,7 @@ from mlx_vlm.utils import should_add_special_tokens
 from ..engine.types import PreparedRequest, SamplingParams
 from .chat_format import ChatFormat, processor_template
 from .image_cache import CachingProcessor, ImageCache, handing_over
+from . import packed_pixels
 from .media import MediaError, MediaPolicy, PixelBudget, cache_digest, load_image
 from .tool_prompt import inline_tools, text_of
 
@@ -48,8 +49,11 @@ class PromptContext:
     image_cache: ImageCache | None = None
     chat_format: ChatFormat = field(init=False)
     longest_token_bytes: int = field(init=False)
+    # What each (channel, uint8 value) of the pixels becomes, where the image processor
+    # hands uint8 values (``packed_pixels``); None: it hands floats.
+    pixel_table: np.ndarray | None = field(init=False)
     # The processor that request images go through: the model's own, or a copy whose
-    # image processor answers from image_cache.
+    # image processor stops at uint8 values, answers from image_cache, or both.
     request_processor: object = field(init=False)
 
     def __post_init__(self):
@@ -61,7 +65,9 @@ class PromptContext:
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.chat_format = ChatFormat.detect(tokenizer, self.chat_template, self.model_type)
         self.longest_token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
-        self.request_processor = CachingProcessor.wrap(self.processor, self.image_cache) or self.processor
+        self.pixel_table = packed_pixels.table_for(self.processor)
+        base = self.processor if self.pixel_table is None else packed_pixels.packing(self.processor)
+        self.request_processor = CachingProcessor.wrap(base, self.image_cache) or base
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -309,4 +315,17 @@ def prepare_prompt(
         model_inputs=model_inputs,
         num_images=len(images),
         image_digests=tuple(cache_digest(im) for im in images),
+        pixel_table=_pixel_table(ctx, model_inputs),
     )
+
+
+def _pixel_table(ctx: PromptContext, model_inputs: dict) -> np.ndarray | None:
+    """The table the request's uint8 pixels are looked up in, where they are uint8."""
+    pixels = model_inputs.get("pixel_values")
+    if ctx.pixel_table is None or pixels is None:
+        return None
+    if not packed_pixels.is_packed(pixels):
+        # The image processor was checked to stop at uint8 values: floats here mean
+        # the processor made them otherwise, and they cannot be taken for either kind.
+        raise RuntimeError(f"{type(ctx.processor).__name__} gave float pixels where uint8 values were asked for")
+    return ctx.pixel_table
