@@ -61,12 +61,15 @@ def test_a_padded_pass_gives_each_row_the_plain_products_bits(rows):
     assert mx.array_equal(padded, layer(x.astype(mx.bfloat16)).astype(mx.float32)).item()
 
 
+@pytest.mark.parametrize("size", [64, 41])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_padding_a_pass_keeps_its_rows_and_adds_zeros(dtype):
-    """On CUDA the engine's own kernel (elsewhere ``mx.pad``)."""
+def test_padding_a_pass_keeps_its_rows_and_adds_zeros(dtype, size):
+    """On CUDA the engine's own kernel (elsewhere ``mx.pad``), in blocks of 256 words
+    and, where the output's words are an odd multiple of 4 (41 rows of 12 in bfloat16),
+    of 4."""
     x = (mx.random.normal((37, 96)) * 100).astype(dtype)
-    out = padded_matmul.pad_rows(x, 64)
-    assert out.shape == (64, 96) and out.dtype == dtype
+    out = padded_matmul.pad_rows(x, size)
+    assert out.shape == (size, 96) and out.dtype == dtype
     assert mx.array_equal(out[:37], x).item() and not mx.any(out[37:]).item()
 
 
