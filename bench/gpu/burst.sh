@@ -10,8 +10,10 @@
 # vlm-serve as it is (default), with each request's images in a tower call of their own
 # (lone-towers: VLM_SERVE_SHARE_TOWERS=0), with transformers' own rescale and normalize
 # (plain-pixels: VLM_SERVE_FAST_PIXELS=0), with float pixels handed to the worker instead
-# of uint8 values and a table (float-pixels: VLM_SERVE_PACKED_PIXELS=0), with MLX's CUDA graphs on (cuda-graphs:
-# MLX_USE_CUDA_GRAPHS=1; cuda-graphs-100: also MLX_MAX_OPS_PER_BUFFER=100), with Gemma 3's
+# of uint8 values and a table (float-pixels: VLM_SERVE_PACKED_PIXELS=0), with the vision
+# tower's GELU on MLX's ops instead of one kernel (mlx-gelu: VLM_SERVE_GELU_KERNEL=0), with
+# MLX's CUDA graphs on (cuda-graphs: MLX_USE_CUDA_GRAPHS=1; cuda-graphs-100: also
+# MLX_MAX_OPS_PER_BUFFER=100), with Gemma 3's
 # prefill passes on the model code's ops (model-prefill: VLM_SERVE_FUSED_PREFILL=0), with
 # every cached prefix reused however short (short-prefixes:
 # VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1). mlx-vlm runs once after them, unless MLX_VLM=0.
@@ -34,6 +36,7 @@ for variant in ${VARIANTS:-default}; do
     lone-towers) settings="VLM_SERVE_SHARE_TOWERS=0" ;;
     plain-pixels) settings="VLM_SERVE_FAST_PIXELS=0" ;;
     float-pixels) settings="VLM_SERVE_PACKED_PIXELS=0" ;;
+    mlx-gelu) settings="VLM_SERVE_GELU_KERNEL=0" ;;
     cuda-graphs) settings="MLX_USE_CUDA_GRAPHS=1" ;;
     cuda-graphs-100) settings="MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=100" ;;
     model-prefill) settings="VLM_SERVE_FUSED_PREFILL=0" ;;

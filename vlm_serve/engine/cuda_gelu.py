@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +26,9 @@ import mlx.nn as nn
 from ..mlx_runtime import cuda_available
 
 log = logging.getLogger("vlm_serve.engine")
+
+# VLM_SERVE_GELU_KERNEL=0 leaves every GELU to MLX's ops (for comparison).
+ENABLED = os.environ.get("VLM_SERVE_GELU_KERNEL", "1") != "0"
 
 _HEADER = ('#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
            '#include "mlx/backend/cuda/device/binary_ops.cuh"\n')
@@ -108,7 +112,7 @@ class _KernelGELU(nn.GELU):
 def install(model: nn.Module) -> int:
     """Point ``model``'s tanh-approximated ``nn.GELU`` layers at ``gelu_approx``, in
     place, where the kernel was checked (on CUDA; elsewhere nothing). Returns how many."""
-    if not _checked():  # (False off CUDA) checked here, never inside a compiled trace
+    if not (ENABLED and _checked()):  # (False off CUDA) checked here, never inside a compiled trace
         return 0
     count = 0
     for _, module in model.named_modules():
