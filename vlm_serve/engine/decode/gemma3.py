@@ -21,6 +21,7 @@ there, ~20 graph nodes a layer, 40% of a short pass's launch on the host.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ from mlx_vlm.models.base import (
 )
 from mlx_vlm.models.gemma3.language import clip_residual
 
+from .. import cuda_gelu
 from . import cuda_norms
 from .attention import attend, prefill_attend
 from .cuda_attention import key_origin
@@ -40,6 +42,8 @@ from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
 from .store import LayerKind
+
+log = logging.getLogger("vlm_serve.engine")
 
 # Set VLM_SERVE_FUSED_PREFILL=0 to run CUDA passes on the model code's ops (for comparison).
 FUSED_PREFILL = os.environ.get("VLM_SERVE_FUSED_PREFILL", "1") != "0"
@@ -156,6 +160,23 @@ class _Layer:
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(block.mlp.down_proj)
         mx.eval(self.norms, self.q_norm, self.k_norm)
+        halves = self.gate_up_split == [block.mlp.gate_proj.weight.shape[0]] == [block.mlp.up_proj.weight.shape[0]]
+        # Checked here, outside any compiled trace (the checks read their results back).
+        self.fused_activation = halves and cuda_gelu.times_available() and self._same_mlp_both_ways()
+
+    def _same_mlp_both_ways(self) -> bool:
+        """Whether the MLP gives its rows the same bits with the one-kernel activation
+        as without, on probe rows of a few pass sizes (its real weights and passes)."""
+        hidden = self.norms["input_layernorm"].shape[0]
+        for rows in (1, 5, 64):
+            normed = (mx.random.normal((rows, hidden), key=mx.random.key(rows)) * 2).astype(self.q_norm.dtype)
+            self.fused_activation = True
+            fused = self._mlp(normed)
+            self.fused_activation = False
+            if not mx.array_equal(fused, self._mlp(normed)).item():
+                log.warning("Gemma 3's MLP: MLX's activation (the one-kernel one changed a row's bits)")
+                return False
+        return True
 
     def norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norms[name], self.eps)
@@ -185,9 +206,20 @@ class _Layer:
         of it one kernel on CUDA."""
         h, normed = add_norm(x, r, self.norms["post_attention_layernorm"],
                              self.norms["pre_feedforward_layernorm"], self.eps, clip_residual)
-        gate, up = mx.split(self.gate_up(normed), self.gate_up_split, axis=-1)
-        r = self.down_proj(_gelu_times(gate, up))
-        return add_norm(h, r, self.norms["post_feedforward_layernorm"], next_norm, self.eps, clip_residual)
+        return add_norm(h, self._mlp(normed), self.norms["post_feedforward_layernorm"], next_norm, self.eps,
+                        clip_residual)
+
+    def _mlp(self, normed: mx.array) -> mx.array:
+        """The MLP's output. On CUDA, where the down projection is one padded pass, the
+        activation goes from the gate/up product straight into that pass's rows: one
+        kernel with MLX's bits (``cuda_gelu.gelu_times``) instead of MLX's and a
+        padding kernel."""
+        gate_up = self.gate_up(normed)
+        rows = self.down_proj.pass_rows(gate_up.shape[0], gate_up.dtype) if self.fused_activation else None
+        if rows is not None and cuda_gelu.times_fits(gate_up, rows):
+            return self.down_proj.of_padded(cuda_gelu.gelu_times(gate_up, rows), gate_up.shape[0])
+        gate, up = mx.split(gate_up, self.gate_up_split, axis=-1)
+        return self.down_proj(_gelu_times(gate, up))
 
     def prefill(self, x: mx.array, B: int, L: int, cache, attention) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
