@@ -12,9 +12,11 @@ on a GPU host that copy was ~7 ms of the worker's time per image, in a burst of 
 requests while the device waited. The pool skips the two float passes too (19 -> 14 ms
 of an image processor call on a CPU).
 
-A check at startup runs the image processor on a probe image both ways and keeps the
-float pixels where the looked-up ones differ in any bit or come in a layout other than
-channels-first images.
+A check at startup runs the image processor both ways on two probe images of other
+shapes for one prompt, and keeps the float pixels where the looked-up ones differ in
+any bit or come in a layout other than channels-first images. An image processor that
+pads images to a common size after normalizing keeps them too: its padding is zeros,
+which no value becomes.
 """
 
 from __future__ import annotations
@@ -93,13 +95,14 @@ def _checked_table(images) -> np.ndarray | None:
         if not (getattr(images, "do_rescale", False) and getattr(images, "do_normalize", False)):
             return None  # nothing to stop: its pixels are what they are
         if getattr(images, "do_pad", False):
-            return None  # it may pad images to a common size after normalizing: zeros no value becomes
+            return None  # it may pad images after normalizing (see above)
         channels = len(np.atleast_1d(images.image_mean))
         table = _table(images, channels)
-        # Two images of other shapes for one prompt: where a processor pads images to
-        # a common size after normalizing, the padding is no value's float.
+        # Two images of other shapes for one prompt: a processor that pads them to a
+        # common size would show it here, whatever it calls the setting.
         rng = np.random.default_rng(0)
-        probe = [[Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)) for shape in ((37, 53, 3), (61, 29, 3))]]
+        probe = [[Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+                  for shape in ((37, 53, 3), (61, 29, 3))]]
         floats = _pixels(images(images=probe, return_tensors="np"))
         values = _pixels(images(images=probe, return_tensors="np", **STOP_AT_UINT8))
     except Exception as exc:  # noqa: BLE001 - an image processor unlike the usual: floats

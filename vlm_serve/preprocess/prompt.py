@@ -17,9 +17,9 @@ from mlx_vlm.prompt_utils import SINGLE_IMAGE_ONLY_MODELS
 from mlx_vlm.utils import should_add_special_tokens
 
 from ..engine.types import PreparedRequest, SamplingParams
+from . import packed_pixels
 from .chat_format import ChatFormat, processor_template
 from .image_cache import CachingProcessor, ImageCache, handing_over
-from . import packed_pixels
 from .media import MediaError, MediaPolicy, PixelBudget, cache_digest, load_image
 from .tool_prompt import inline_tools, text_of
 
@@ -327,5 +327,6 @@ def _pixel_table(ctx: PromptContext, model_inputs: dict) -> np.ndarray | None:
     if not packed_pixels.is_packed(pixels):
         # The image processor was checked to stop at uint8 values: floats here mean
         # the processor made them otherwise, and they cannot be taken for either kind.
-        raise RuntimeError(f"{type(ctx.processor).__name__} gave float pixels where uint8 values were asked for")
+        raise RuntimeError(f"{type(ctx.processor).__name__} gave float pixels where uint8 values "
+                           "were asked for")
     return ctx.pixel_table

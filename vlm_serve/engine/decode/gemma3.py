@@ -63,6 +63,10 @@ class Gemma3Decoder(StepDecoder):
         self.embed = text.embed_tokens
         self.embed_scale = mx.array(config.hidden_size**0.5, mx.bfloat16)
         self.layers = [_Layer(layer, self.eps) for layer in text.layers]
+        # Every layer's MLP has the first's shapes: one check for all.
+        fused_activation = self.layers[0].same_mlp_both_ways()
+        for layer in self.layers:
+            layer.fused_activation = fused_activation
         self.final_norm = 1.0 + text.norm.weight
         self.head = StepLinear(self.lm.lm_head)
         mx.eval(self.final_norm)
@@ -160,13 +164,16 @@ class _Layer:
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(block.mlp.down_proj)
         mx.eval(self.norms, self.q_norm, self.k_norm)
-        halves = self.gate_up_split == [block.mlp.gate_proj.weight.shape[0]] == [block.mlp.up_proj.weight.shape[0]]
-        # Checked here, outside any compiled trace (the checks read their results back).
-        self.fused_activation = halves and cuda_gelu.times_available() and self._same_mlp_both_ways()
+        gate_rows, up_rows = block.mlp.gate_proj.weight.shape[0], block.mlp.up_proj.weight.shape[0]
+        self.halves = gate_rows == up_rows and self.gate_up_split == [gate_rows]
+        self.fused_activation = False  # set by the decoder (``same_mlp_both_ways``)
 
-    def _same_mlp_both_ways(self) -> bool:
-        """Whether the MLP gives its rows the same bits with the one-kernel activation
-        as without, on probe rows of a few pass sizes (its real weights and passes)."""
+    def same_mlp_both_ways(self) -> bool:
+        """Whether the MLP can take the one-kernel activation (on CUDA) and gives its
+        rows the same bits with it as without, on probe rows of a few pass sizes (its
+        real weights and passes). Call outside a compiled trace: it reads back."""
+        if not (self.halves and cuda_gelu.times_available()):
+            return False
         hidden = self.norms["input_layernorm"].shape[0]
         for rows in (1, 5, 64):
             normed = (mx.random.normal((rows, hidden), key=mx.random.key(rows)) * 2).astype(self.q_norm.dtype)
