@@ -156,14 +156,7 @@ def _checked() -> bool:
         (mx.random.normal((1 << 16,), key=mx.random.key(0)) * 4).astype(mx.bfloat16),
         mx.arange(-8, 8, 2 ** -7, dtype=mx.float32).astype(mx.bfloat16),
     ])
-    try:
-        same = mx.array_equal(_kernel_gelu(probes), nn.gelu_approx(probes)).item()
-    except Exception as exc:  # noqa: BLE001 - a kernel that does not build: MLX's ops
-        log.warning("GELU: MLX's ops (the one-kernel GELU failed: %s)", exc)
-        return False
-    if not same:
-        log.warning("GELU: MLX's ops (the one-kernel GELU differs from them in some bits)")
-    return same
+    return _same_bits("GELU", lambda: _kernel_gelu(probes), lambda: nn.gelu_approx(probes))
 
 
 @functools.cache
@@ -175,14 +168,19 @@ def _times_checked() -> bool:
         return False
     probe = (mx.random.normal((5, 2 * 1024), key=mx.random.key(4)) * 4).astype(mx.bfloat16)
     gate, up = mx.split(probe, 2, axis=-1)
-    expected = mx.pad(_mlx_gelu_times(gate, up), ((0, 3), (0, 0)))
+    return _same_bits("Gemma's MLP activation", lambda: gelu_times(probe, 8),
+                      lambda: mx.pad(_mlx_gelu_times(gate, up), ((0, 3), (0, 0))))
+
+
+def _same_bits(what: str, kernel, mlx) -> bool:
+    """Whether ``kernel()`` gives ``mlx()``'s bits; logs why not where it does not."""
     try:
-        same = mx.array_equal(gelu_times(probe, 8), expected).item()
+        same = mx.array_equal(kernel(), mlx()).item()
     except Exception as exc:  # noqa: BLE001 - a kernel that does not build: MLX's ops
-        log.warning("Gemma's MLP activation: MLX's ops (the one-kernel version failed: %s)", exc)
+        log.warning("%s: MLX's ops (the one kernel failed: %s)", what, exc)
         return False
     if not same:
-        log.warning("Gemma's MLP activation: MLX's ops (the one-kernel version differs in some bits)")
+        log.warning("%s: MLX's ops (the one kernel differs from them in some bits)", what)
     return same
 
 
