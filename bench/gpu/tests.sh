@@ -10,8 +10,7 @@
 # message after the check's own run), steps (the engine decode steps: Gemma 4, GLM-4V,
 # Ministral 3, the compile limit), checks (routing, the row-exact install, Gemma 3's
 # prefill, the quantized check, shared tower calls, packed pixels), q4 (4-bit with
-# float32 activations,
-# Gemma 3), parity (the whole parity suite). Each stops itself LIMIT seconds in (default
+# float32 activations, Gemma 3), parity (the whole parity suite). Each stops itself LIMIT seconds in (default
 # 540, with SIGINT, so pytest still prints what passed and failed) and keeps its output
 # in $OUT/PART.txt. On an H200 (this file's default parts): attention 7 min, families 7,
 # parity 3, steps 3, checks 2. On an H100, with parity, steps and checks beside it,
