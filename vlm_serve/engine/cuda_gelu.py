@@ -72,13 +72,15 @@ _TIMES_SOURCE = _GELU_OF + """
 """
 
 # A grid in blocks smaller than this (values a power of two times an odd number below
-# it) is not worth a kernel of its own.
+# it) is not worth a kernel of its own; one past MAX_GRID threads is more than MLX's
+# grid takes.
 MIN_BLOCK = 32
+MAX_GRID = 2**31 - 1
 
 
 def gelu_approx(x: mx.array) -> mx.array:
     """``nn.gelu_approx(x)``: one kernel where it applies and was checked, else MLX's."""
-    if not (x.dtype == mx.bfloat16 and _block(x.size) >= MIN_BLOCK and _checked()):
+    if not (x.dtype == mx.bfloat16 and _block(x.size) >= MIN_BLOCK and x.size <= MAX_GRID and _checked()):
         return nn.gelu_approx(x)
     return _kernel_gelu(x)
 
@@ -124,8 +126,9 @@ def times_available() -> bool:
 def times_fits(gate_up: mx.array, rows: int) -> bool:
     """Whether ``gelu_times`` takes this product (2-D bfloat16) into ``rows`` rows,
     where ``times_available``."""
+    values = rows * (gate_up.shape[1] // 2)
     return (gate_up.ndim == 2 and gate_up.dtype == mx.bfloat16 and gate_up.shape[1] % 2 == 0
-            and rows >= gate_up.shape[0] and _block(rows * gate_up.shape[1] // 2) >= MIN_BLOCK
+            and rows >= gate_up.shape[0] and _block(values) >= MIN_BLOCK and values <= MAX_GRID
             and times_available())
 
 
