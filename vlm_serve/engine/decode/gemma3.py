@@ -8,7 +8,8 @@ load, the model's own projections left as views of the fused weights), activatio
 2-D and single-token head transposes are reshapes. On CUDA each residual add and the
 norms on either side of it run as one kernel (``cuda_norms``; the step's last norm of a
 layer is the next layer's input norm), and so do the query and key heads' norms and
-rotation (``cuda_heads``).
+rotation (``cuda_heads``), and the MLP's activation, written straight into the down
+projection's padded pass (``cuda_gelu.gelu_times``, MLX's bits).
 
 Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
 own masks, caches and attention, and the output layer on the last position only: on
