@@ -41,6 +41,13 @@ def cuda_available() -> bool:
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
+def exact_grid_block(threads: int, most: int = 256) -> int:
+    """The largest power of two up to ``most`` dividing ``threads``: blocks of it tile a
+    grid of exactly ``threads`` (MLX's grids count threads), none past the end, so the
+    kernel needs no bound and no size."""
+    return min(most, threads & -threads)
+
+
 def kernel_constant(name: str, value: float) -> tuple[str, str]:
     """A float compiled into a CUDA kernel (MLX's template arguments take ints, bools and
     dtypes only): its ``#define`` line, and a tag for the kernel's name."""

@@ -27,7 +27,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..mlx_runtime import cuda_available
+from ..mlx_runtime import cuda_available, exact_grid_block
 
 log = logging.getLogger("vlm_serve.engine")
 
@@ -80,21 +80,20 @@ MAX_GRID = 2**31 - 1
 
 def gelu_approx(x: mx.array) -> mx.array:
     """``nn.gelu_approx(x)``: one kernel where it applies and was checked, else MLX's."""
-    if not (x.dtype == mx.bfloat16 and _block(x.size) >= MIN_BLOCK and x.size <= MAX_GRID and _checked()):
+    if not (x.dtype == mx.bfloat16 and _grid_fits(x.size) and _checked()):
         return nn.gelu_approx(x)
     return _kernel_gelu(x)
 
 
-def _block(size: int) -> int:
-    """The largest power of two up to 256 dividing ``size``: blocks of it tile the grid."""
-    return min(256, size & -size)
+def _grid_fits(threads: int) -> bool:
+    return exact_grid_block(threads) >= MIN_BLOCK and threads <= MAX_GRID
 
 
 def _kernel_gelu(x: mx.array) -> mx.array:
     (out,) = _kernel()(
         inputs=[x],
         grid=(x.size, 1, 1),
-        threadgroup=(_block(x.size), 1, 1),
+        threadgroup=(exact_grid_block(x.size), 1, 1),
         output_shapes=[x.shape],
         output_dtypes=[x.dtype],
     )
@@ -110,7 +109,7 @@ def gelu_times(gate_up: mx.array, rows: int) -> mx.array:
         inputs=[gate_up],
         template=[("WIDTH", width)],
         grid=(rows * width, 1, 1),
-        threadgroup=(_block(rows * width), 1, 1),
+        threadgroup=(exact_grid_block(rows * width), 1, 1),
         output_shapes=[(rows, width)],
         output_dtypes=[gate_up.dtype],
     )
@@ -128,7 +127,7 @@ def times_fits(gate_up: mx.array, rows: int) -> bool:
     where ``times_available``."""
     values = rows * (gate_up.shape[1] // 2)
     return (gate_up.ndim == 2 and gate_up.dtype == mx.bfloat16 and gate_up.shape[1] % 2 == 0
-            and rows >= gate_up.shape[0] and _block(values) >= MIN_BLOCK and values <= MAX_GRID
+            and rows >= gate_up.shape[0] and _grid_fits(values)
             and times_available())
 
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..mlx_runtime import cuda_available
+from ..mlx_runtime import cuda_available, exact_grid_block
 from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 
 # The pass sizes a padded pass may take, in rows: steps of 64 up to the largest, and
@@ -189,16 +189,14 @@ def pad_rows(x: mx.array, size: int) -> mx.array:
         return mx.pad(x, ((0, size - x.shape[0]), (0, 0)))
     row_words = width * x.dtype.size // 16
     words = size * row_words
-    # The grid is exactly the output's words, in blocks of a power of two dividing
-    # them, so no thread is past the end and the kernel needs the size neither as an
-    # input (a read per thread made it 5x slower on an H200) nor as a template
+    # The grid is exactly the output's words, so the kernel needs the size neither as
+    # an input (a read per thread made it 5x slower on an H200) nor as a template
     # argument (a compile for each pass size a prefill meets).
-    block = min(256, words & -words)
     (out,) = _pad_kernel()(
         inputs=[x],
         template=[("ROW_WORDS", row_words)],
         grid=(words, 1, 1),
-        threadgroup=(block, 1, 1),
+        threadgroup=(exact_grid_block(words), 1, 1),
         output_shapes=[(size, width)],
         output_dtypes=[x.dtype],
     )

@@ -44,10 +44,10 @@ def install(image_processor) -> bool:
         return False
     probe = Image.fromarray(np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8))
     try:
-        before = _pixels(image_processor, probe)
+        before = processed_pixels(image_processor, [probe])
         image_processor.rescale = _rescale_with(image_processor.rescale)
         image_processor.normalize = _normalize_with(image_processor.normalize)
-        after = _pixels(image_processor, probe)
+        after = processed_pixels(image_processor, [probe])
     except Exception as exc:  # noqa: BLE001 - a processor unlike the usual: leave it be
         _uninstall(image_processor)
         log.info("%s: pixels processed as transformers does (%s)", type(image_processor).__name__, exc)
@@ -72,8 +72,10 @@ def _uses_numpy_transforms(image_processor) -> bool:
             and cls.normalize is PilBackend.normalize)
 
 
-def _pixels(image_processor, image: Image.Image) -> np.ndarray:
-    out = image_processor(images=[image], return_tensors="np")
+def processed_pixels(image_processor, images: list, **kwargs) -> np.ndarray:
+    """The pixels ``image_processor`` makes of ``images`` (with ``kwargs``), as one
+    contiguous array."""
+    out = image_processor(images=images, return_tensors="np", **kwargs)
     pixels = out["pixel_values"] if "pixel_values" in out else out["images"]
     return np.ascontiguousarray(np.asarray(pixels))
 

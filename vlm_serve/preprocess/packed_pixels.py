@@ -28,6 +28,8 @@ import os
 import numpy as np
 from PIL import Image
 
+from .fast_pixels import processed_pixels
+
 log = logging.getLogger(__name__)
 
 # VLM_SERVE_PACKED_PIXELS=0 hands the worker float pixels, as the processor makes them.
@@ -103,8 +105,8 @@ def _checked_table(images) -> np.ndarray | None:
         rng = np.random.default_rng(0)
         probe = [[Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
                   for shape in ((37, 53, 3), (61, 29, 3))]]
-        floats = _pixels(images(images=probe, return_tensors="np"))
-        values = _pixels(images(images=probe, return_tensors="np", **STOP_AT_UINT8))
+        floats = processed_pixels(images, probe)
+        values = processed_pixels(images, probe, **STOP_AT_UINT8)
     except Exception as exc:  # noqa: BLE001 - an image processor unlike the usual: floats
         log.info("%s: float pixels handed to the worker (%s)", type(images).__name__, exc)
         return None
@@ -125,8 +127,3 @@ def _table(images, channels: int) -> np.ndarray:
     scaled = images.rescale(values, scale=images.rescale_factor)
     normalized = images.normalize(scaled, mean=images.image_mean, std=images.image_std)
     return np.ascontiguousarray(np.asarray(normalized).reshape(channels, 256))
-
-
-def _pixels(output) -> np.ndarray:
-    pixels = output["pixel_values"] if "pixel_values" in output else output["images"]
-    return np.ascontiguousarray(np.asarray(pixels))
