@@ -615,3 +615,32 @@ def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built(gram
     first = order.index(("token", "after"))
     launches = [i for i, (kind, _) in enumerate(order) if kind == "launch"]
     assert launches and first < launches[0], order
+
+
+def test_a_finished_rows_last_event_is_published_before_its_answer_is_kept():
+    """A row that finishes has its last event (its finish reason) handed to the event
+    loop before its prompt and answer are copied out of the batch for the prefix cache:
+    host work for every layer of every row that finished in the step, which the end of
+    an answer need not wait for. The answer is still kept."""
+    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2))
+    engine.start()
+    order = []
+    scheduler = engine.scheduler
+    publish, keep_answers = scheduler.publish, scheduler._keep_answers
+
+    def published(events):
+        order.extend(("finished", e.request_id) for e in events if e.finished)
+        publish(events)
+
+    def kept(states):
+        order.append(("kept", [s.id for s in states]))
+        keep_answers(states)
+
+    scheduler.publish, scheduler._keep_answers = published, kept
+    try:
+        stored = len(scheduler.prefix_cache)
+        _serves_a_chat(engine)
+        assert len(scheduler.prefix_cache) > stored  # the answer was kept
+    finally:
+        engine.shutdown()
+    assert order.index(("finished", "after")) < order.index(("kept", ["after"])), order

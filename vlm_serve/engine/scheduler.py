@@ -733,6 +733,9 @@ class Scheduler:
         self._stats["generated"] += len(step.states)
         since = times.add("rows", since)
         if finished:
+            # Their last events go to the event loop before their KV is copied out for
+            # the prefix cache (host work for every layer of every finished row).
+            self._flush()
             self._keep_answers(finished)
             self._drop(finished)
             times.add("leave", since)
