@@ -11,11 +11,11 @@ in the order of MLX's generated source, so each value gets MLX's bits. A check a
 use compares the two on probe values and keeps MLX's ops where any bit differs.
 
 ``install`` points a model's ``nn.GELU`` layers of that approximation (the vision
-towers' MLPs) at it. ``gelu_times`` is Gemma's MLP activation, ``gelu(gate) * up``, in
-one kernel from the fused gate/up product, written straight into the down projection's
-padded pass (zero rows past the product's): in a decode step that replaces MLX's fused
-kernel and the pass's padding kernel (``padded_matmul.pad_rows``), 34 launches fewer a
-step of Gemma-3-4B.
+towers' MLPs) at it. Gemma's MLP activation, ``gelu(gate) * up``, stays on MLX's one
+fused kernel: a kernel like this one that wrote it straight into the down projection's
+padded pass (34 launches fewer a Gemma-3-4B step) left the step's GPU time as it was,
+and the image burst's decode phase took 0.24 s longer with it on an H200
+(``bench/results/gpu-h200-gelu-kernels``).
 """
 
 from __future__ import annotations
@@ -57,20 +57,6 @@ _SOURCE = _GELU_OF + """
   out[i] = gelu_of(x[i]);
 """
 
-# Gemma's MLP activation, gelu(gate) * up (MLX's order), from the fused gate/up
-# product's row (gate first, then up, WIDTH each), in a pass of out's rows: zeros past
-# the product's.
-_TIMES_SOURCE = _GELU_OF + """
-  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const size_t row = i / WIDTH, column = i % WIDTH;
-  __nv_bfloat16 value = static_cast<__nv_bfloat16>(0);
-  if (row < (size_t)gate_up_shape[0]) {
-    const __nv_bfloat16* product = gate_up + row * 2 * WIDTH;
-    value = Multiply{}(gelu_of(product[column]), product[WIDTH + column]);
-  }
-  out[i] = value;
-"""
-
 # A grid in blocks smaller than this (values a power of two times an odd number below
 # it) is not worth a kernel of its own; one past MAX_GRID threads is more than MLX's
 # grid takes.
@@ -100,52 +86,10 @@ def _kernel_gelu(x: mx.array) -> mx.array:
     return out
 
 
-def gelu_times(gate_up: mx.array, rows: int) -> mx.array:
-    """``gelu_approx(gate) * up`` of a fused gate/up product (n, 2 * width), gate
-    first, as MLX's compiled ops give it, in ``rows`` rows: zeros past the product's n
-    (a padded pass's input, ``padded_matmul``). Call where ``times_fits``."""
-    width = gate_up.shape[1] // 2
-    (out,) = _times_kernel()(
-        inputs=[gate_up],
-        template=[("WIDTH", width)],
-        grid=(rows * width, 1, 1),
-        threadgroup=(exact_grid_block(rows * width), 1, 1),
-        output_shapes=[(rows, width)],
-        output_dtypes=[gate_up.dtype],
-    )
-    return out
-
-
-def times_available() -> bool:
-    """Whether ``gelu_times`` may be used: on CUDA, its kernel checked (here, on first
-    call: make it outside a compiled trace)."""
-    return ENABLED and _times_checked()
-
-
-def times_fits(gate_up: mx.array, rows: int) -> bool:
-    """Whether ``gelu_times`` takes this product (2-D bfloat16) into ``rows`` rows,
-    where ``times_available``."""
-    values = rows * (gate_up.shape[1] // 2)
-    return (gate_up.ndim == 2 and gate_up.dtype == mx.bfloat16 and gate_up.shape[1] % 2 == 0
-            and rows >= gate_up.shape[0] and _grid_fits(values)
-            and times_available())
-
-
 @functools.cache
 def _kernel():
     return mx.fast.cuda_kernel(name="vlm_gelu_approx", input_names=["x"], output_names=["out"],
                                header=_HEADER, source=_SOURCE)
-
-
-@functools.cache
-def _times_kernel():
-    return mx.fast.cuda_kernel(name="vlm_gelu_times", input_names=["gate_up"], output_names=["out"],
-                               header=_HEADER, source=_TIMES_SOURCE)
-
-
-@mx.compile
-def _mlx_gelu_times(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * up
 
 
 @functools.cache
@@ -159,19 +103,6 @@ def _checked() -> bool:
         mx.arange(-8, 8, 2 ** -7, dtype=mx.float32).astype(mx.bfloat16),
     ])
     return _same_bits("GELU", lambda: _kernel_gelu(probes), lambda: nn.gelu_approx(probes))
-
-
-@functools.cache
-def _times_checked() -> bool:
-    """Whether ``gelu_times`` gives MLX's compiled ``gelu_approx(gate) * up`` and zero
-    rows, bit for bit, on probe products (call outside a compiled trace first: the
-    engine's decode step checks at build)."""
-    if not _checked():
-        return False
-    probe = (mx.random.normal((5, 2 * 1024), key=mx.random.key(4)) * 4).astype(mx.bfloat16)
-    gate, up = mx.split(probe, 2, axis=-1)
-    return _same_bits("Gemma's MLP activation", lambda: gelu_times(probe, 8),
-                      lambda: mx.pad(_mlx_gelu_times(gate, up), ((0, 3), (0, 0))))
 
 
 def _same_bits(what: str, kernel, mlx) -> bool:

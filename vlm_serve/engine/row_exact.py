@@ -153,15 +153,6 @@ def step_call(module: nn.Module, tied: bool = False):
     return lambda x: _row_exact_product(x, module, weight_t)
 
 
-def padded_step(module: nn.Module) -> tuple[int, mx.array | None] | None:
-    """Where an installed layer's step call is its padded product alone (``step_call``):
-    its shape's floor and ``W.T`` taken once; else None."""
-    if not (_PADDED and type(module) in _PRODUCT_ONLY):
-        return None
-    floor = padded_matmul.floor_of(module)
-    return None if floor is None else (floor, padded_matmul.transposed(module))
-
-
 def prepare(module: nn.Module) -> None:
     """Make the load-time choices for an installed layer's product (where padded, its
     shape's check), so that none is made inside a compiled step."""

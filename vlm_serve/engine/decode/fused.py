@@ -15,7 +15,7 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import padded_matmul, row_exact
+from .. import row_exact
 from ..weight_layout import for_matmul
 
 _PARAMS = ("weight", "scales", "biases", "bias")
@@ -34,11 +34,9 @@ class StepLinear:
         self.module = module
         self.call = module.as_linear if tied else module
         self.weight_t = self.bias = None
-        self.padded = None  # (floor, W.T) where the step's product is a padded pass alone
         if row_exact.installed(module):
             row_exact.prepare(module)  # a fused layer's shape is new to the checks
             self.call = row_exact.step_call(module, tied)  # the row-exact product
-            self.padded = None if tied else row_exact.padded_step(module)
             return
         if isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(
             module, (nn.QuantizedLinear, nn.QuantizedEmbedding)
@@ -46,21 +44,6 @@ class StepLinear:
             self.weight_t = module.weight.T
             self.bias = module.bias if "bias" in module else None
             mx.eval(self.weight_t)
-
-    def pass_rows(self, rows: int, dtype: mx.Dtype) -> int | None:
-        """Where this layer's product of ``rows`` rows of ``dtype`` is one padded pass
-        (``padded_matmul``), the rows it pads to: a caller may hand ``of_padded`` rows
-        padded so, made its own way. Else None."""
-        if (self.padded is None or rows > padded_matmul.SIZES[-1]
-                or dtype != padded_matmul.weight_dtype(self.module)):
-            return None
-        return padded_matmul.pass_size(rows, self.padded[0])
-
-    def of_padded(self, x: mx.array, rows: int) -> mx.array:
-        """``self(x[:rows])`` for ``x`` already padded with zero rows to
-        ``pass_rows(rows)``: the same pass, so the same bits."""
-        out = padded_matmul.product(x, self.module, self.padded[1])
-        return out if x.shape[0] == rows else out[:rows]
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.weight_t is None:

@@ -8,8 +8,7 @@ load, the model's own projections left as views of the fused weights), activatio
 2-D and single-token head transposes are reshapes. On CUDA each residual add and the
 norms on either side of it run as one kernel (``cuda_norms``; the step's last norm of a
 layer is the next layer's input norm), and so do the query and key heads' norms and
-rotation (``cuda_heads``), and the MLP's activation, written straight into the down
-projection's padded pass (``cuda_gelu.gelu_times``, MLX's bits).
+rotation (``cuda_heads``).
 
 Prefill passes (``prefill``, ``head_of``) run on the same fused weights with mlx-vlm's
 own masks, caches and attention, and the output layer on the last position only: on
@@ -22,7 +21,6 @@ there, ~20 graph nodes a layer, 40% of a short pass's launch on the host.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import mlx.core as mx
@@ -34,7 +32,6 @@ from mlx_vlm.models.base import (
 )
 from mlx_vlm.models.gemma3.language import clip_residual
 
-from .. import cuda_gelu
 from . import cuda_norms
 from .attention import attend, prefill_attend
 from .cuda_attention import key_origin
@@ -43,8 +40,6 @@ from .cuda_norms import add_norm
 from .fused import StepLinear, fuse_linears
 from .step import KVWriter, StepDecoder
 from .store import LayerKind
-
-log = logging.getLogger("vlm_serve.engine")
 
 # Set VLM_SERVE_FUSED_PREFILL=0 to run CUDA passes on the model code's ops (for comparison).
 FUSED_PREFILL = os.environ.get("VLM_SERVE_FUSED_PREFILL", "1") != "0"
@@ -64,10 +59,6 @@ class Gemma3Decoder(StepDecoder):
         self.embed = text.embed_tokens
         self.embed_scale = mx.array(config.hidden_size**0.5, mx.bfloat16)
         self.layers = [_Layer(layer, self.eps) for layer in text.layers]
-        # Every layer's MLP has the first's shapes: one check for all.
-        fused_activation = self.layers[0].same_mlp_both_ways()
-        for layer in self.layers:
-            layer.fused_activation = fused_activation
         self.final_norm = 1.0 + text.norm.weight
         self.head = StepLinear(self.lm.lm_head)
         mx.eval(self.final_norm)
@@ -165,31 +156,6 @@ class _Layer:
         self.o_proj = StepLinear(attn.o_proj)
         self.down_proj = StepLinear(block.mlp.down_proj)
         mx.eval(self.norms, self.q_norm, self.k_norm)
-        gate_rows, up_rows = block.mlp.gate_proj.weight.shape[0], block.mlp.up_proj.weight.shape[0]
-        self.halves = gate_rows == up_rows and self.gate_up_split == [gate_rows]
-        self.fused_activation = False  # set by the decoder (``same_mlp_both_ways``)
-
-    def same_mlp_both_ways(self) -> bool:
-        """Whether the MLP can take the one-kernel activation (on CUDA) and gives its
-        rows the same bits with it as without, on probe rows of a few pass sizes (its
-        real weights and passes). Call outside a compiled trace: it reads back."""
-        if not (self.halves and cuda_gelu.times_available()):
-            return False
-        hidden = self.norms["input_layernorm"].shape[0]
-        for rows in (1, 5, 64):
-            normed = (mx.random.normal((rows, hidden), key=mx.random.key(rows)) * 2).astype(self.q_norm.dtype)
-            try:
-                self.fused_activation = True
-                fused = self._mlp(normed)
-                self.fused_activation = False
-                if not mx.array_equal(fused, self._mlp(normed)).item():
-                    log.warning("Gemma 3's MLP: MLX's activation (the one-kernel one changed a row's bits)")
-                    return False
-            except Exception as exc:  # noqa: BLE001 - the step keeps MLX's activation
-                log.warning("Gemma 3's MLP: MLX's activation (the one-kernel one failed: %s)", exc)
-                self.fused_activation = False
-                return False
-        return True
 
     def norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norms[name], self.eps)
@@ -219,20 +185,9 @@ class _Layer:
         of it one kernel on CUDA."""
         h, normed = add_norm(x, r, self.norms["post_attention_layernorm"],
                              self.norms["pre_feedforward_layernorm"], self.eps, clip_residual)
-        return add_norm(h, self._mlp(normed), self.norms["post_feedforward_layernorm"], next_norm, self.eps,
-                        clip_residual)
-
-    def _mlp(self, normed: mx.array) -> mx.array:
-        """The MLP's output. On CUDA, where the down projection is one padded pass, the
-        activation goes from the gate/up product straight into that pass's rows: one
-        kernel with MLX's bits (``cuda_gelu.gelu_times``) instead of MLX's and a
-        padding kernel."""
-        gate_up = self.gate_up(normed)
-        rows = self.down_proj.pass_rows(gate_up.shape[0], gate_up.dtype) if self.fused_activation else None
-        if rows is not None and cuda_gelu.times_fits(gate_up, rows):
-            return self.down_proj.of_padded(cuda_gelu.gelu_times(gate_up, rows), gate_up.shape[0])
-        gate, up = mx.split(gate_up, self.gate_up_split, axis=-1)
-        return self.down_proj(_gelu_times(gate, up))
+        gate, up = mx.split(self.gate_up(normed), self.gate_up_split, axis=-1)
+        r = self.down_proj(_gelu_times(gate, up))
+        return add_norm(h, r, self.norms["post_feedforward_layernorm"], next_norm, self.eps, clip_residual)
 
     def prefill(self, x: mx.array, B: int, L: int, cache, attention) -> mx.array:
         """``x`` (B * L, hidden): one layer of a prefill pass (mlx-vlm's
