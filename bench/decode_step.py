@@ -46,6 +46,31 @@ def engine_step(
     return time_steps(step, steps)
 
 
+def served_step(model, batch: int, context: int, steps: int, read_late: int = 1) -> float:
+    """ms a step of the engine's compiled decode step as the scheduler paces it: queue
+    step N + ``read_late``, then read step N's tokens back and walk them in Python (one
+    late, as ``Scheduler._decode_step``; 0: each step read back before the next is
+    queued, so host and device take turns). Against ``engine`` (queued back to back,
+    never read), the difference is what pacing costs."""
+    import time
+    from collections import deque
+
+    engine_batch = build_engine_batch(model, batch, context, steps + 8, ragged=True, use_decoder=True)
+    for _ in range(3):
+        engine_batch.step().tokens.tolist()
+    queued, seen = deque(), 0
+    started = time.perf_counter()
+    for _ in range(steps):
+        tokens = engine_batch.step().tokens
+        mx.async_eval(tokens)
+        queued.append(tokens)
+        while len(queued) > read_late:
+            seen += sum(1 for _ in queued.popleft().tolist())
+    while queued:
+        seen += sum(1 for _ in queued.popleft().tolist())
+    return 1000 * (time.perf_counter() - started) / steps
+
+
 def check(
     model, rows: int, context: int, steps: int, use_decoder: bool = True, compiled: bool = True,
     engine_alone: bool = False,
@@ -184,6 +209,9 @@ def main() -> None:
                 "model_code": lambda: engine_step(model, b, args.context, args.steps, False),
                 "engine": lambda: engine_step(model, b, args.context, args.steps, True),
                 "engine_eager": lambda: engine_step(model, b, args.context, args.steps, True, False),
+                "engine_served": lambda: served_step(model, b, args.context, args.steps),
+                "engine_served_2": lambda: served_step(model, b, args.context, args.steps, 2),
+                "engine_taking_turns": lambda: served_step(model, b, args.context, args.steps, 0),
                 **{f"engine_{form}": functools.partial(
                     with_attention, form,
                     lambda: engine_step(model, b, args.context, args.steps, True))
