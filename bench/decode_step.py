@@ -46,18 +46,36 @@ def engine_step(
     return time_steps(step, steps)
 
 
-def served_step(model, batch: int, context: int, steps: int, read_late: int = 1) -> float:
+def served_step(model, batch: int, context: int, steps: int, read_late: int = 1, gap_ms: float = 0.0,
+                busy_thread: bool = False) -> float:
     """ms a step of the engine's compiled decode step as the scheduler paces it: queue
     step N + ``read_late``, then read step N's tokens back and walk them in Python (one
     late, as ``Scheduler._decode_step``; 0: each step read back before the next is
     queued, so host and device take turns). Against ``engine`` (queued back to back,
-    never read), the difference is what pacing costs."""
+    never read), the difference is what pacing costs.
+
+    ``gap_ms``: the host then sleeps that long before queueing the next step, as the
+    scheduler's bookkeeping holds it (the interpreter lock is free meanwhile). If a
+    read-back waited only for its own step, the steps already queued keep the device
+    busy through the gap; if it waited for every queued step, each gap is added to the
+    step. ``busy_thread``: another thread runs Python all along (as the event loop does
+    with each step's events), so the worker competes for the interpreter lock."""
+    import threading
     import time
     from collections import deque
 
     engine_batch = build_engine_batch(model, batch, context, steps + 8, ragged=True, use_decoder=True)
     for _ in range(3):
         engine_batch.step().tokens.tolist()
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=busy, daemon=True)
+    if busy_thread:
+        spinner.start()
     queued, seen = deque(), 0
     started = time.perf_counter()
     for _ in range(steps):
@@ -66,9 +84,13 @@ def served_step(model, batch: int, context: int, steps: int, read_late: int = 1)
         queued.append(tokens)
         while len(queued) > read_late:
             seen += sum(1 for _ in queued.popleft().tolist())
+            if gap_ms:
+                time.sleep(gap_ms / 1000)
     while queued:
         seen += sum(1 for _ in queued.popleft().tolist())
-    return 1000 * (time.perf_counter() - started) / steps
+    elapsed = time.perf_counter() - started
+    stop.set()
+    return 1000 * elapsed / steps
 
 
 def check(
@@ -212,6 +234,9 @@ def main() -> None:
                 "engine_served": lambda: served_step(model, b, args.context, args.steps),
                 "engine_served_2": lambda: served_step(model, b, args.context, args.steps, 2),
                 "engine_taking_turns": lambda: served_step(model, b, args.context, args.steps, 0),
+                "engine_served_gap": lambda: served_step(model, b, args.context, args.steps, gap_ms=2),
+                "engine_served_2_gap": lambda: served_step(model, b, args.context, args.steps, 2, gap_ms=2),
+                "engine_served_busy": lambda: served_step(model, b, args.context, args.steps, busy_thread=True),
                 **{f"engine_{form}": functools.partial(
                     with_attention, form,
                     lambda: engine_step(model, b, args.context, args.steps, True))
