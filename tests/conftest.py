@@ -7,6 +7,7 @@ import base64
 import io
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -39,6 +40,16 @@ def data_url(image: Image.Image, fmt: str = "PNG") -> str:
 def model_path():
     """Path of the tiny model of an architecture, built once per session."""
     return lambda arch: cached_model(arch)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    """Poll ``condition()`` until it holds; fail after ``timeout`` seconds. For state the
+    worker thread settles after a request's last event (a finished row leaves the batch
+    once its answer is kept for the prefix cache, just after its last event goes out)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import OneFault, data_url, make_image
+from conftest import OneFault, data_url, make_image, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -123,19 +123,12 @@ def test_client_disconnect_cancels_row(server):
         for n, _ in enumerate(r.iter_lines()):
             if n > 5:
                 break
-    _wait_until(lambda: not server.scheduler.running and server.engine.in_flight == 0)
+    wait_until(lambda: not server.scheduler.running and server.engine.in_flight == 0)
     # Non-streaming too: a client that times out and goes away.
     body["stream"] = False
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.5)
-    _wait_until(lambda: not server.scheduler.running and server.engine.in_flight == 0)
-
-
-def _wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+    wait_until(lambda: not server.scheduler.running and server.engine.in_flight == 0)
 
 
 def test_fault_in_decode_step_fails_its_rows_and_server_recovers(server):
@@ -166,7 +159,7 @@ def test_queue_full_answers_503_with_retry_after(start_server):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = [pool.submit(httpx.post, server.base_url + "/v1/chat/completions", json=body, timeout=60)
                    for _ in range(2)]
-        _wait_until(lambda: server.engine.in_flight == 2)
+        wait_until(lambda: server.engine.in_flight == 2)
         r = httpx.post(server.base_url + "/v1/chat/completions", json=body)
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"
@@ -230,7 +223,7 @@ def test_health_answers_at_once_while_generating(server):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = [pool.submit(httpx.post, server.base_url + "/v1/chat/completions", json=body, timeout=60)
                    for _ in range(4)]
-        _wait_until(lambda: len(server.scheduler.running) >= 2)
+        wait_until(lambda: len(server.scheduler.running) >= 2)
         for _ in range(5):
             t = time.monotonic()
             assert httpx.get(server.base_url + "/health", timeout=5).json()["status"] == "ok"

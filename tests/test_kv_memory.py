@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import data_url, make_image
+from conftest import data_url, make_image, wait_until
 from vlm_serve.engine.memory import format_bytes, parse_memory
 from vlm_serve.engine.types import PreparedRequest, SamplingParams
 
@@ -96,6 +96,7 @@ def test_cached_prefixes_are_evicted_before_a_request_waits(start_server):
     sch = server.scheduler
     client.chat.completions.create(model=MODEL, messages=user("the first prompt, kept " * 4),
                                    max_tokens=2, temperature=0)
+    wait_until(lambda: not sch.running)  # its answer is kept as its row leaves
     held = sch.stats()
     # The prompt, and the prompt with its answer (past the fixture's sliding window the
     # longer one cannot be cut back to the shorter, so both are kept).
@@ -109,6 +110,7 @@ def test_cached_prefixes_are_evicted_before_a_request_waits(start_server):
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=m,
                                        temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == m
+    wait_until(lambda: not sch.running)
     after = sch.stats()
     assert after["prefix_cache_evictions"] > held["prefix_cache_evictions"]
     assert after["kv_memory_waits"] == held["kv_memory_waits"] == 0
@@ -162,17 +164,11 @@ def test_the_queue_stays_bounded_while_requests_wait_for_memory(start_server):
                 if release.is_set():
                     return  # the client leaves: the request is cancelled
 
-    def wait_for(condition) -> None:
-        deadline = time.monotonic() + 60
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert condition()
-
     with concurrent.futures.ThreadPoolExecutor(limit) as pool:
         holder = pool.submit(long_request)
-        wait_for(lambda: len(sch.running) == 1)
+        wait_until(lambda: len(sch.running) == 1, timeout=60)
         futures = [pool.submit(httpx.post, url, json=short, timeout=120) for _ in range(limit - 1)]
-        wait_for(lambda: server.engine.in_flight == limit)
+        wait_until(lambda: server.engine.in_flight == limit, timeout=60)
         # Memory, not rows, holds them back, and the queue is full: 503.
         assert len(sch.running) == 1 < server.config.max_num_seqs
         assert sch.stats()["kv_memory_waits"] >= 1
@@ -227,6 +223,7 @@ def test_soak_under_a_small_budget(start_server, arch, budget):
     finally:
         stop.set()
         sampler.join()
+    wait_until(lambda: not sch.running)
     stats = sch.stats()
     # The demand was over the budget: requests waited for memory, prefixes were evicted.
     assert stats["kv_memory_waits"] > 0

@@ -7,13 +7,12 @@ import base64
 import concurrent.futures
 import io
 import json
-import time
 
 import anthropic
 import httpx
 import pytest
 
-from conftest import OneFault, data_url, make_image
+from conftest import OneFault, data_url, make_image, wait_until
 from test_tool_calls import WEATHER_TOOL, _answer_ids, steer_to
 from vlm_serve.engine import sampling
 
@@ -273,13 +272,6 @@ def test_api_key_as_x_api_key_or_bearer(start_server):
     assert httpx.get(server.base_url + "/v1/models").json()["error"]["code"] == "invalid_api_key"
 
 
-def _wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def anthropic_error(info) -> tuple[int, str]:
     err = info.value
     assert err.body["type"] == "error" and set(err.body["error"]) == {"type", "message"} and err.body["error"]["message"]
@@ -297,7 +289,7 @@ def test_full_queue_is_529_overloaded(start_server):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = [pool.submit(httpx.post, server.base_url + "/v1/chat/completions", json=long, timeout=120)
                    for _ in range(2)]
-        _wait_until(lambda: server.engine.in_flight == 2)
+        wait_until(lambda: server.engine.in_flight == 2, timeout=30)
         with pytest.raises(anthropic.OverloadedError) as info:
             client.messages.create(**ask)
         assert anthropic_error(info) == (529, "overloaded_error")

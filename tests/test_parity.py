@@ -29,7 +29,7 @@ from vlm_serve.engine.types import FinishReason, SamplingParams
 from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-from conftest import ARCHS, make_image
+from conftest import ARCHS, make_image, wait_until
 from oracle import engine_alone_on_cuda
 
 PREFILL_STEP = 32  # small, so long prompts are prefilled in several interleaved chunks
@@ -258,7 +258,7 @@ def test_cancelled_rows_leave_and_others_match_oracle(harness):
     assert 3 <= len(results["cancel-me"]["tokens"]) < 40
     for case in cases:
         _assert_matches_oracle(harness, case, results[case.name])
-    assert harness.engine.scheduler.running == []
+    wait_until(lambda: harness.engine.scheduler.running == [])
 
 
 def test_stop_strings_cut_text_and_rows_finish_early(harness):
@@ -615,7 +615,7 @@ def test_burst_with_a_cancelled_and_a_failing_request(burst):
     assert results["cancel-me"]["finish"] == FinishReason.CANCELLED
     for case in cases:
         _assert_matches_oracle(burst, case, results[case.name])
-    assert scheduler.prefilling == deque() and scheduler.running == []
+    wait_until(lambda: scheduler.prefilling == deque() and scheduler.running == [])
 
 
 def test_prompts_of_different_lengths_share_a_padded_last_pass(burst):

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import data_url, free_port, make_image
+from conftest import data_url, free_port, make_image, wait_until
 
 SETTINGS = ["--prefill-step-size", "32", "--prefill-token-budget", "32", "--max-num-seqs", "8"]
 SETTINGS_KW = dict(prefill_step_size=32, prefill_token_budget=32, max_num_seqs=8)
@@ -179,7 +179,7 @@ def test_two_ranks_answer_as_one_process(arch, groups, start_server):
     assert group.health()["status"] == "ok"
     # The follower's state as its next heartbeat (one a second) tells it.
     follower = lambda: group.health()["tensor_parallel"]["followers"][0]
-    _wait_for(lambda: follower()["state"] == "serving" and follower()["turn"] > 0)
+    wait_until(lambda: follower()["state"] == "serving" and follower()["turn"] > 0)
     # Both ranks decoded through the engine's fused step, not the model-code fallback.
     assert "no engine decode step" not in group.log
     assert "Traceback" not in group.log
@@ -310,13 +310,6 @@ def _leader_and_follower(timeout: float = 5.0):
     return leader, follower, failures
 
 
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert condition()
-
-
 def test_control_channel_carries_plans_and_catches_a_follower_that_went_its_own_way():
     import numpy as np
 
@@ -338,12 +331,12 @@ def test_control_channel_carries_plans_and_catches_a_follower_that_went_its_own_
         # Same tokens before turn 1: heartbeats agree.
         leader.begin_turn(digest=11)
         follower.mark = (1, 11)
-        _wait_for(lambda: leader.seen[1].get("turn") == 1)
+        wait_until(lambda: leader.seen[1].get("turn") == 1)
         assert not failures
         # Other tokens before turn 2: rank 0 says so.
         leader.begin_turn(digest=12)
         follower.mark = (2, 99)
-        _wait_for(lambda: failures)
+        wait_until(lambda: failures)
         assert "rank 1 sampled other tokens than rank 0 before turn 2" in failures[0]
     finally:
         follower.close()
