@@ -585,6 +585,37 @@ def test_a_failing_warm_up_request_stops_startup_with_its_error(monkeypatch):
     assert not engine._thread.is_alive()
 
 
+def _served_in_order(method: str, grammar: str | None = None, until=None) -> list[tuple[str, object]]:
+    """Serve one chat (request "after") on a fresh engine and return, in order, what its
+    scheduler handed the event loop (``("token", id)``, ``("finished", id)``) and its
+    calls of ``method`` (with the ids of the rows it was called for, or of the running
+    rows); ``until(order)`` is waited for before the engine stops."""
+    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2))
+    engine.start()
+    order = []
+    scheduler = engine.scheduler
+    publish, original = scheduler.publish, getattr(scheduler, method)
+
+    def published(events):
+        for e in events:
+            order.extend([("token", e.request_id)] * bool(e.token_ids) + [("finished", e.request_id)] * e.finished)
+        publish(events)
+
+    def called(*args):
+        order.append((method, [s.id for s in (args[0] if args else scheduler.running)]))
+        return original(*args)
+
+    scheduler.publish = published
+    setattr(scheduler, method, called)
+    try:
+        _serves_a_chat(engine, grammar)
+        if until is not None:
+            wait_until(lambda: until(order))
+    finally:
+        engine.shutdown()
+    return order
+
+
 @pytest.mark.parametrize("grammar", [False, True], ids=["free", "json"])
 def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built(grammar):
     """A row that joins an idle batch has its first token handed to the event loop
@@ -593,27 +624,9 @@ def test_a_lone_rows_first_token_is_published_before_its_next_step_is_built(gram
     grammar, whose tokens are all read back before the next step, too."""
     from vlm_serve.engine.grammar import json_grammar
 
-    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2))
-    engine.start()
-    order = []
-    scheduler = engine.scheduler
-    publish, launch = scheduler.publish, scheduler._launch
-
-    def published(events):
-        order.extend(("token", e.request_id) for e in events if e.token_ids)
-        publish(events)
-
-    def launched():
-        order.append(("launch", [s.id for s in scheduler.running]))
-        return launch()
-
-    scheduler.publish, scheduler._launch = published, launched
-    try:
-        _serves_a_chat(engine, json_grammar({"type": "json_object"}) if grammar else None)
-    finally:
-        engine.shutdown()
+    order = _served_in_order("_launch", json_grammar({"type": "json_object"}) if grammar else None)
     first = order.index(("token", "after"))
-    launches = [i for i, (kind, _) in enumerate(order) if kind == "launch"]
+    launches = [i for i, (kind, _) in enumerate(order) if kind == "_launch"]
     assert launches and first < launches[0], order
 
 
@@ -621,26 +634,7 @@ def test_a_finished_rows_last_event_is_published_before_its_answer_is_kept():
     """A row that finishes has its last event (its finish reason) handed to the event
     loop before its prompt and answer are copied out of the batch for the prefix cache:
     host work for every layer of every row that finished in the step, which the end of
-    an answer need not wait for. The answer is still kept."""
-    engine = Engine(str(cached_model("gemma3")), SchedulerConfig(max_num_seqs=2))
-    engine.start()
-    order = []
-    scheduler = engine.scheduler
-    publish, keep_answers = scheduler.publish, scheduler._keep_answers
-
-    def published(events):
-        order.extend(("finished", e.request_id) for e in events if e.finished)
-        publish(events)
-
-    def kept(states):
-        order.append(("kept", [s.id for s in states]))
-        keep_answers(states)
-
-    scheduler.publish, scheduler._keep_answers = published, kept
-    try:
-        stored = len(scheduler.prefix_cache)
-        _serves_a_chat(engine)
-        wait_until(lambda: len(scheduler.prefix_cache) > stored)  # the answer is kept
-    finally:
-        engine.shutdown()
-    assert order.index(("finished", "after")) < order.index(("kept", ["after"])), order
+    an answer need not wait for."""
+    kept = ("_keep_answers", ["after"])
+    order = _served_in_order("_keep_answers", until=lambda order: kept in order)
+    assert order.index(("finished", "after")) < order.index(kept), order
