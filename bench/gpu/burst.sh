@@ -18,7 +18,10 @@
 # every cached prefix reused however short (short-prefixes:
 # VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1), with Python's switch interval at 0.5 ms instead
 # of 5 (switch-0.5ms: a sitecustomize; the worker gets the interpreter lock back from
-# the event loop sooner). mlx-vlm runs once after them, unless MLX_VLM=0.
+# the event loop sooner), with MLX committing every 200 kernels instead of every ~30
+# (commit-200: MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000; MLX holds the host
+# back once ten commits are in flight, so this lets it run further ahead of the
+# device). mlx-vlm runs once after them, unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -43,6 +46,7 @@ for variant in ${VARIANTS:-default}; do
     cuda-graphs-100) settings="MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=100" ;;
     model-prefill) settings="VLM_SERVE_FUSED_PREFILL=0" ;;
     short-prefixes) settings="VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1" ;;
+    commit-200) settings="MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"
