@@ -118,6 +118,7 @@ def run_vlm_serve(args) -> dict:
     argv = ["--model", args.model, "--max-num-seqs", str(args.requests)]
     if args.prefill_token_budget:
         argv += ["--prefill-token-budget", str(args.prefill_token_budget)]
+    argv += args.serve_args.split()
     config = parse_config(argv)
     engine = build_engine(config)
     loaded = engine.loaded
@@ -233,6 +234,9 @@ def main() -> None:
     p.add_argument("--cpu-workers", type=int, help="vlm-serve's preprocessing threads (default: the server's)")
     p.add_argument("--prefill-token-budget", type=int,
                    help="vlm-serve: prompt tokens prefilled per turn (default: the server's)")
+    p.add_argument("--serve-args", default="",
+                   help="further vlm-serve flags for the engine, e.g. a GPU's scheduling on the CPU: "
+                        "'--prefill-step-size 2048 --prefill-token-budget 2048 --prefill-wait-steps 8'")
     p.add_argument("--rounds", type=int, default=1,
                    help="vlm-serve: run the burst this many times on one engine and report the last "
                    "(with each round's wall, TTFT and step traces): shapes met first are then met again")
