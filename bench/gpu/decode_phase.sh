@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Where the image burst's decode phase loses ~2 ms a step against the step alone
+# (bench/results/gpu-h200-gelu-kernels), and what the burst's first uses and budget cost.
+# Gemma-3-4B shape, random bf16. Parts:
+#   pacing    the engine's step at 64 rows paced as the scheduler paces it: read back
+#             one late, two late, before the next; with 2 ms of host work after each
+#             read-back; beside a thread running Python (bench/decode_step.py columns)
+#   tower     the vision tower's kernels (ncu) with the GELU kernel on and off
+#   variants  the burst as it is, with Python's switch interval at 0.5 ms, and with MLX
+#             committing every 200 kernels; twice, in turned order; mlx-vlm once
+#   rounds    the burst twice on one engine, inputs ready, with every mark in order: what
+#             the first round's new shapes cost
+#   budget    the burst at prefill budgets 4096 and 2048, alternating, twice each
+# Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
+# call) and prints a summary. MODEL=DIR runs pacing, tower, rounds and budget on another
+# model (variants always runs bench/gpu/burst.sh's 4B). PARTS picks (each takes minutes;
+# split them over calls):
+#   OUT=DIR PARTS="pacing tower" bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS=variants bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS="rounds budget" bash bench/gpu/decode_phase.sh
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu-decode-phase}
+PARTS=${PARTS:-pacing tower variants rounds budget}
+MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
+NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+export PYTHONPATH=$PWD
+mkdir -p "$OUT"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+[ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out "$MODEL" > "$OUT/build.log" 2>&1
+
+summarize() {  # the headline numbers of each burst result under $1
+  for f in "$1"/*.json; do
+    [ "$(basename "$f")" = timeline.json ] && continue
+    python3 - "$f" <<'PY'
+import json, os, sys
+d = json.load(open(sys.argv[1]))
+keys = ("wall_s", "ttft_mean_s", "ttft_max_s", "step_traces", "rounds")
+print(os.path.basename(sys.argv[1]), {k: d[k] for k in keys if k in d})
+PY
+  done
+}
+
+archive() {  # $OUT/$1 -> $OUT/$1.tgz
+  tar czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
+}
+
+if has pacing; then
+  mkdir -p "$OUT/pacing"
+  python3 bench/decode_step.py --model "$MODEL" --batch-sizes 64 --context 460 --steps 48 \
+      --columns engine,engine_served,engine_served_2,engine_taking_turns,engine_served_gap,engine_served_2_gap,engine_served_busy \
+      --out "$OUT/pacing/pacing.json" > "$OUT/pacing/pacing.log" 2>&1
+  grep "^64" "$OUT/pacing/pacing.log"
+  archive pacing
+fi
+
+if has tower; then
+  mkdir -p "$OUT/tower"
+  for g in 1 0; do
+    VLM_SERVE_GELU_KERNEL=$g "$NCU" --profile-from-start off --metrics gpu__time_duration.sum \
+        --print-summary per-kernel --csv python3 bench/step_kernels.py --model "$MODEL" --tower-images 8 \
+        > "$OUT/tower/gelu-kernel-$g.csv" 2> "$OUT/tower/gelu-kernel-$g.err"
+    echo "== tower, VLM_SERVE_GELU_KERNEL=$g"
+    python3 bench/step_kernels.py --summarize "$OUT/tower/gelu-kernel-$g.csv" | head -8
+  done
+  archive tower
+fi
+
+if has variants; then
+  OUT=$OUT/variants/1 WORKER_PARTS=1 VARIANTS="default switch-0.5ms commit-200" bash bench/gpu/burst.sh > /dev/null 2>&1
+  OUT=$OUT/variants/2 WORKER_PARTS=1 MLX_VLM=0 VARIANTS="commit-200 switch-0.5ms default" \
+      bash bench/gpu/burst.sh > /dev/null 2>&1
+  summarize "$OUT/variants/1"; summarize "$OUT/variants/2"
+  archive variants
+fi
+
+if has rounds; then
+  mkdir -p "$OUT/rounds"
+  python3 bench/burst.py --model "$MODEL" --engine vlm-serve --rounds 2 --preprocessed --worker-parts \
+      --timeline "$OUT/rounds/timeline.json" --result-json "$OUT/rounds/rounds.json" > "$OUT/rounds/rounds.log" 2>&1
+  summarize "$OUT/rounds"
+  archive rounds
+fi
+
+if has budget; then
+  mkdir -p "$OUT/budget"
+  for run in 1 2; do
+    for budget in 4096 2048; do
+      python3 bench/burst.py --model "$MODEL" --engine vlm-serve --prefill-token-budget "$budget" --worker-parts \
+          --result-json "$OUT/budget/budget-$budget-$run.json" > "$OUT/budget/budget-$budget-$run.log" 2>&1
+    done
+  done
+  summarize "$OUT/budget"
+  archive budget
+fi
