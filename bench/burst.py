@@ -181,7 +181,9 @@ def run_vlm_serve(args) -> dict:
               "preprocessed_mean_s": float(np.mean(ready)), "preprocessed_max_s": float(np.max(ready)),
               "shared_tower_requests": engine.scheduler.shared_tower_requests - towers,
               # the compiled decode step's traces of new shapes (its slots and KV columns)
-              "step_traces": rounds[-1]["step_traces"]}
+              "step_traces": rounds[-1]["step_traces"],
+              # their (slots, each kind's KV columns)
+              "step_trace_shapes": getattr(decoder, "traced_shapes", [])[traced:]}
     if args.rounds > 1:
         result["rounds"] = rounds
     if args.worker_parts:

@@ -447,7 +447,7 @@ def _serves_a_chat(engine, grammar: str | None = None) -> None:
 def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     """--warmup: text, image, sampled and prefix-reusing requests run once at startup,
     then a batch of every slot bucket up to --max-num-seqs, short rows and rows past
-    the store's first column step, and the engine serves normally after: a burst of
+    each of the store's column steps up to 1024, and the engine serves normally after: a burst of
     prompts of an image chat's length traces no new decode step. Its turns are not
     counted or logged as slow turns (here every turn is slow), nor are idle turns
     after it; the requests served after it are."""
@@ -465,8 +465,12 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     try:
         # 3 rows fill the 4-slot bucket and the continued prompt the 1-slot one.
         assert any(re.search(r"warm-up: 5 request\(s\) \(one of \d+ tokens\), then batches of 2, 8, 12 rows "
-                             r"and of 1, 2, 4, 8, 12 rows of \d+ tokens, in", r.getMessage())
+                             r"and of 1, 2, 4, 8, 12 rows of \d+, \d+ and \d+ tokens, in", r.getMessage())
                    for r in caplog.records)
+        # Every slot bucket's step, for each of the store's column steps up to 1024.
+        decoder = engine.scheduler.batch.decoder
+        assert {(slots, columns) for slots in (1, 2, 4, 8, 12) for columns in ((512,), (768,), (1024,))} <= set(
+            decoder.traced_shapes)
         assert engine.scheduler.running == [] and engine.scheduler.peak_running == 12
         assert engine.scheduler.prefix_cache.reused_tokens > 0  # the continued prompt hit
         assert engine.scheduler.prefix_cache.min_reuse == 1000  # and serving keeps the minimum
@@ -477,7 +481,6 @@ def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
         assert not any(r.getMessage().startswith("slow turn:") and r.thread == worker for r in caplog.records)
         _serves_a_chat(engine)
         assert engine.scheduler.slow_turns > 0
-        decoder = engine.scheduler.batch.decoder
         traced = decoder.traces
         # 300 tokens: past the first column step, as the warm-up's rows (298 here). On
         # the CPU the step's mask also follows the attended span (in steps of 32

@@ -60,7 +60,7 @@ if has tower; then
         --print-summary per-kernel --csv python3 bench/step_kernels.py --model "$MODEL" --tower-images 8 \
         > "$OUT/tower/gelu-kernel-$g.csv" 2> "$OUT/tower/gelu-kernel-$g.err"
     echo "== tower, VLM_SERVE_GELU_KERNEL=$g"
-    python3 bench/step_kernels.py --summarize "$OUT/tower/gelu-kernel-$g.csv" | head -8
+    python3 bench/step_kernels.py --summarize "$OUT/tower/gelu-kernel-$g.csv" 2>/dev/null | head -8
   done
   archive tower
 fi

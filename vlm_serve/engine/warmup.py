@@ -19,10 +19,13 @@ batch). At startup instead:
 - for every number of slots the batch can reach up to ``--max-num-seqs``, one prompt
   decoded as that many rows (copies sharing its prefill): each batch shape costs a
   trace of the compiled step and the kernels built for it (the first 32-row step of a
-  fresh H200 took 4 s). Then the same with a prompt past the store's first column step,
-  as an image chat's is (an image's tokens alone fill most of it): the store's columns
-  are part of the step's shapes, and a first burst of image chats on an H200 traced
-  ten of them, ~0.2 s (``bench/results/gpu-h200-burst-phases``).
+  fresh H200 took 4 s). Then the same with prompts past each of the store's column
+  steps up to ``WARM_COLUMNS``, as image chats and their answers reach (an image's
+  tokens alone fill most of the first): the store's columns are part of the step's
+  shapes. A first burst of image chats on an H200 traced ten of them, ~0.2 s
+  (``bench/results/gpu-h200-burst-phases``); warmed past the first step only, it still
+  traced three once its rows' answers took them past 512 columns, ~0.36 s
+  (``bench/results/gpu-h200-decode-phase``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ log = logging.getLogger("vlm_serve.engine")
 _TEXT = "Describe the picture in a few words."
 # Padded last passes are warmed up to this many tokens (a chat turn's new tokens).
 WARM_PASS_TOKENS = 512
+# Decode steps are warmed up for stores of up to this many columns (an image chat and
+# its answer: Gemma 3's 256 image tokens, a question and a few hundred tokens out).
+WARM_COLUMNS = 1024
 
 
 def warm_up(loaded, scheduler) -> None:
@@ -97,12 +103,16 @@ def _warm_up(loaded, scheduler) -> None:
     for size in sizes:
         scheduler.run_to_completion([replace(rows, request_id=f"warm-up-rows-{size}")], copies=size - 1)
     wide = _wide_rows(loaded, scheduler, text, replace(greedy, max_tokens=2))
-    wide_sizes = _batch_sizes(scheduler, covered=set()) if wide is not None else []
-    for size in wide_sizes:
-        scheduler.run_to_completion([replace(wide, request_id=f"warm-up-wide-rows-{size}")], copies=size - 1)
+    wide_sizes = _batch_sizes(scheduler, covered=set()) if wide else []
+    for prompt in wide:
+        for size in wide_sizes:
+            scheduler.run_to_completion([replace(prompt, request_id=f"{prompt.request_id}-{size}")],
+                                        copies=size - 1)
     batches = [f"{', '.join(map(str, sizes))} rows"] if sizes else []
     if wide_sizes:
-        batches.append(f"{', '.join(map(str, wide_sizes))} rows of {wide.num_prompt_tokens} tokens")
+        lengths = [str(p.num_prompt_tokens) for p in wide]
+        lengths = ", ".join(lengths[:-1]) + " and " + lengths[-1] if len(lengths) > 1 else lengths[0]
+        batches.append(f"{', '.join(map(str, wide_sizes))} rows of {lengths} tokens")
     log.info("warm-up: %d request(s)%s%s%s in %.1f s", len(together) + 1 + (long is not None),
              f" (one of {long.num_prompt_tokens} tokens)" if long is not None else "",
              f", padded passes of {passes[0]}-{passes[-1]} tokens ({len(passes)})" if passes else "",
@@ -154,13 +164,20 @@ def _long_prompt(loaded, scheduler, text, params: SamplingParams):
     return _prompt_of(loaded, scheduler, text, "warm-up-long", target, params)
 
 
-def _wide_rows(loaded, scheduler, text, params: SamplingParams):
+def _wide_rows(loaded, scheduler, text, params: SamplingParams) -> list[PreparedRequest]:
     """Where the batch decodes through a compiled step of the family's, a text prompt
-    whose rows take the store past its first column step (as an image chat's do); else
-    None."""
+    for each of the store's column steps up to ``WARM_COLUMNS`` past the first (as image
+    chats and their answers reach), as far as the model's context and the memory limit
+    allow one; else none."""
     if scheduler.batch.decoder is None:  # (a family not batched has none)
-        return None
-    return _prompt_of(loaded, scheduler, text, "warm-up-wide-rows", COLUMN_STEP, params)
+        return []
+    prompts = []
+    for target in range(COLUMN_STEP, WARM_COLUMNS, COLUMN_STEP):
+        prompt = _prompt_of(loaded, scheduler, text, f"warm-up-wide-rows-{target}", target, params)
+        if prompt is None:
+            break
+        prompts.append(prompt)
+    return prompts
 
 
 def _prompt_of(loaded, scheduler, text, rid: str, target: int, params: SamplingParams):

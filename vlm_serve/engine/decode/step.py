@@ -50,10 +50,15 @@ class StepDecoder:
         kinds = sorted({k.window or 0 for k in layer_kinds})
         self.kind_index = [kinds.index(k.window or 0) for k in layer_kinds]
         self.traces = 0  # shapes the compiled step has been traced for
+        self.traced_shapes: list[tuple[int, tuple[int, ...]]] = []  # (slots, each kind's columns)
         forward = self.forward
 
         def traced(*args):
-            self.traces += 1  # Python runs this only while mx.compile traces a new shape
+            # Python runs this only while mx.compile traces a new shape.
+            self.traces += 1
+            tokens, keys = args[0], args[4]
+            self.traced_shapes.append((tokens.shape[0], tuple(sorted({k.shape[2] for k in keys}))))
+            log.debug("decode step traced for %d slots, %s columns", *self.traced_shapes[-1])
             return forward(*args)
 
         self.compiled = mx.compile(traced) if COMPILE else None
