@@ -35,8 +35,10 @@ def test_views_and_odd_sizes_get_mlx_bits():
 
 
 def test_a_vision_tower_gives_the_same_features_with_it(monkeypatch):
-    """Gemma 3's tower (the tiny fixture) with and without ``install``: in float32 (no
-    table: MLX's op) and in bfloat16 (a lookup in each layer)."""
+    """Gemma 3's tower (the tiny fixture) with and without ``install`` (wherever MLX
+    runs, not only where it is the default): in float32 (no table: MLX's op) and in
+    bfloat16 (a lookup in each layer)."""
+    monkeypatch.setattr(gelu_table, "SETTING", "1")
     lookups = []
     monkeypatch.setattr(gelu_table, "lookup", lambda table, x: lookups.append(x.dtype) or mx.take(
         table, x.view(mx.uint16)))
@@ -56,7 +58,17 @@ def test_a_vision_tower_gives_the_same_features_with_it(monkeypatch):
 
 
 def test_switched_off_it_leaves_the_model_alone(monkeypatch):
-    monkeypatch.setattr(gelu_table, "ENABLED", False)
+    monkeypatch.setattr(gelu_table, "SETTING", "0")
     model, _ = load(str(cached_model("gemma3")))
     assert gelu_table.install(model) == 0
     assert not any(isinstance(m, gelu_table._TableGELU) for _, m in model.named_modules())
+
+
+def test_by_default_only_the_cpu_uses_it(monkeypatch):
+    """Unset, the table is the CPU's (on CUDA MLX's gather is slower than its ops)."""
+    monkeypatch.setattr(gelu_table, "SETTING", None)
+    with mx.stream(mx.cpu):
+        assert gelu_table.wanted_here()
+    if mx.is_available(mx.gpu):
+        with mx.stream(mx.gpu):
+            assert not gelu_table.wanted_here()

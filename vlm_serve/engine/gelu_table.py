@@ -1,12 +1,13 @@
-"""GELU of 16-bit activations as one table lookup, to MLX's bits.
+"""GELU of 16-bit activations as one table lookup, to MLX's bits (on the CPU).
 
 A bfloat16 or float16 activation has 65,536 possible values, so any elementwise
 function of it is a table. At load, MLX's own GELU runs once over every value on the
-device, and each GELU of the vision towers then gathers its outputs from that table:
-one kernel that reads and writes each activation once. MLX's tanh-approximated GELU is a
-chain of ops; CUDA runs it as two kernels, the first a ``x**3`` bound by ``powf``, and a
-one-kernel version of that chain took as long (51 ms of kernels for Gemma 3's tower over
-16 images on an H200, either way: ``bench/results/gpu-h200-decode-phase``).
+device, and each GELU of the vision towers then gathers its outputs from that table.
+On the CPU that is ~5x faster than MLX's chain of ops (``bench/gelu_table.py``). On CUDA
+it is slower: MLX's gather took 70 ms of kernels for Gemma 3's tower over 16 images on an
+H200, where MLX's two GELU kernels took 51 ms (``bench/results/gpu-h200-decode-phase``).
+Metal has not been measured. So by default only the CPU uses the table;
+``VLM_SERVE_GELU_TABLE=1`` uses it everywhere, ``0`` nowhere.
 
 Each value gets MLX's bits by construction (the table holds MLX's results), as long as
 MLX computes an element the same wherever it sits in an array. A check at load
@@ -24,8 +25,8 @@ import mlx.nn as nn
 
 log = logging.getLogger("vlm_serve.engine")
 
-# VLM_SERVE_GELU_TABLE=0 leaves every GELU to MLX's ops (for comparison).
-ENABLED = os.environ.get("VLM_SERVE_GELU_TABLE", "1") != "0"
+# "1": the table on any device; "0": MLX's ops everywhere; unset: the table on the CPU.
+SETTING = os.environ.get("VLM_SERVE_GELU_TABLE")
 
 DTYPES = (mx.bfloat16, mx.float16)
 _tables: dict[tuple[str, mx.Dtype], mx.array] = {}  # (approximation, dtype) -> MLX's GELU of every value
@@ -76,10 +77,16 @@ class _TableGELU(nn.GELU):
         return lookup(table, x) if table is not None else super().__call__(x)
 
 
+def wanted_here() -> bool:
+    if SETTING is not None:
+        return SETTING != "0"
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 def install(model: nn.Module) -> int:
     """Point ``model``'s ``nn.GELU`` layers at a table for 16-bit inputs, in place (their
     tables built now). Returns how many."""
-    if not ENABLED:
+    if not wanted_here():
         return 0
     count = 0
     for _, module in model.named_modules():
