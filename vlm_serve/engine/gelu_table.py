@@ -29,7 +29,7 @@ log = logging.getLogger("vlm_serve.engine")
 SETTING = os.environ.get("VLM_SERVE_GELU_TABLE")
 
 DTYPES = (mx.bfloat16, mx.float16)
-_tables: dict[tuple[str, mx.Dtype], mx.array] = {}  # (approximation, dtype) -> MLX's GELU of every value
+_tables: dict[tuple[str, mx.Dtype], mx.array | None] = {}  # (approximation, dtype) -> MLX's GELU of every value
 
 
 def every_value(dtype: mx.Dtype) -> mx.array:
