@@ -73,11 +73,11 @@ def profile_tower(model_dir: str, images: int) -> None:
     import mlx.core as mx
     from mlx_vlm import load
 
-    from vlm_serve.engine import gelu_table
+    from vlm_serve.engine import tower_gelu
     from vlm_serve.engine.families import family_for
 
     model, _ = load(model_dir)
-    gelu_table.install(model)  # as the engine's loader does (VLM_SERVE_GELU_TABLE=0: not)
+    tower_gelu.install(model)  # as the engine's loader does (VLM_SERVE_TOWER_GELU picks the form)
     family = family_for(model)
     size = model.config.vision_config.image_size
     pixels = mx.random.uniform(shape=(images, 3, size, size))

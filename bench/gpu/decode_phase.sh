@@ -5,7 +5,8 @@
 #   pacing    the engine's step at 64 rows paced as the scheduler paces it: read back
 #             one late, two late, before the next; with 2 ms of host work after each
 #             read-back; beside a thread running Python (bench/decode_step.py columns)
-#   tower     the vision tower's kernels (ncu) with the GELU table lookup on and off
+#   tower     the vision tower's kernels (ncu) with each form of its GELU (MLX's ops, a
+#             table lookup, the cube as a float32 product: VLM_SERVE_TOWER_GELU)
 #   variants  the burst as it is, with Python's switch interval at 0.5 ms, and with MLX
 #             committing every 200 kernels; twice, in turned order; mlx-vlm once
 #   rounds    the burst twice on one engine, inputs ready, with every mark in order: what
@@ -55,12 +56,12 @@ fi
 
 if has tower; then
   mkdir -p "$OUT/tower"
-  for g in 1 0; do
-    VLM_SERVE_GELU_TABLE=$g "$NCU" --profile-from-start off --metrics gpu__time_duration.sum \
+  for g in mlx table cube; do
+    VLM_SERVE_TOWER_GELU=$g "$NCU" --profile-from-start off --metrics gpu__time_duration.sum \
         --print-summary per-kernel --csv python3 bench/step_kernels.py --model "$MODEL" --tower-images 8 \
-        > "$OUT/tower/gelu-table-$g.csv" 2> "$OUT/tower/gelu-table-$g.err"
-    echo "== tower, VLM_SERVE_GELU_TABLE=$g"
-    python3 bench/step_kernels.py --summarize "$OUT/tower/gelu-table-$g.csv" 2>/dev/null | head -8
+        > "$OUT/tower/gelu-$g.csv" 2> "$OUT/tower/gelu-$g.err"
+    echo "== tower, VLM_SERVE_TOWER_GELU=$g"
+    python3 bench/step_kernels.py --summarize "$OUT/tower/gelu-$g.csv" 2>/dev/null | head -8
   done
   archive tower
 fi

@@ -9,7 +9,7 @@
 # the 4-bit models: where the quantized check refuses them, each test skips with its
 # message after the check's own run), steps (the engine decode steps: Gemma 4, GLM-4V,
 # Ministral 3, the compile limit), checks (routing, the row-exact install, Gemma 3's
-# prefill, the quantized check, shared tower calls, packed pixels, the GELU table), q4 (4-bit with
+# prefill, the quantized check, shared tower calls, packed pixels, the tower's GELU), q4 (4-bit with
 # float32 activations, Gemma 3), parity (the whole parity suite). Each stops itself LIMIT seconds in (default
 # 540, with SIGINT, so pytest still prints what passed and failed) and keeps its output
 # in $OUT/PART.txt. On an H200 (this file's default parts): attention 7 min, families 7,
@@ -39,7 +39,7 @@ tests_of() {
     steps) echo tests/test_gemma4_step.py tests/test_glm4v_step.py tests/test_ministral3.py tests/test_step_compile.py ;;
     checks) echo tests/test_row_exact.py tests/test_model_attention.py tests/test_gemma3_prefill.py \
               tests/test_quantized_check.py tests/test_tower_sharing.py tests/test_packed_pixels.py \
-              tests/test_gelu_table.py ;;
+              tests/test_tower_gelu.py ;;
     q4) echo tests/test_families.py -k '"q4 and gemma3"' ;;
     parity) echo tests/test_parity.py ;;
     *) echo "unknown part: $1" >&2; return 1 ;;

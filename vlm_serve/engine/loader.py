@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..preprocess import fast_pixels
 from ..preprocess.chat_format import processor_template
-from . import gelu_table
+from . import tower_gelu
 from .detokenize import make_detokenizer
 
 log = logging.getLogger("vlm_serve.engine")
@@ -120,9 +120,10 @@ def load(model: str, chat_template: str | None = None, lazy: bool = False) -> Lo
     if images is not None and fast_pixels.install(images):
         log.info("%s: pixels rescaled and normalized the faster way, to the same bits",
                  type(images).__name__)
-    gelus = gelu_table.install(vlm_model)
+    gelus = tower_gelu.install(vlm_model)
     if gelus:
-        log.info("%d GELU layers as a table lookup for 16-bit activations, to MLX's bits", gelus)
+        log.info("%d GELU layers in the %s form for 16-bit activations, to MLX's bits", gelus,
+                 tower_gelu.form_here())
     # One token through the language model: warms up and tells the logits width,
     # which may differ from the tokenizer's size.
     from mlx_vlm.models import cache as vlm_cache
