@@ -447,10 +447,10 @@ def _serves_a_chat(engine, grammar: str | None = None) -> None:
 def test_warm_up_runs_text_and_image_before_ready(caplog, monkeypatch):
     """--warmup: text, image, sampled and prefix-reusing requests run once at startup,
     then a batch of every slot bucket up to --max-num-seqs, short rows and rows past
-    each of the store's column steps up to 1024, and the engine serves normally after: a burst of
-    prompts of an image chat's length traces no new decode step. Its turns are not
-    counted or logged as slow turns (here every turn is slow), nor are idle turns
-    after it; the requests served after it are."""
+    each of the store's column steps up to 1024, and the engine serves normally after:
+    a burst of prompts of an image chat's length traces no new decode step. Its turns
+    are not counted or logged as slow turns (here every turn is slow), nor are idle
+    turns after it; the requests served after it are."""
     import logging
 
     from vlm_serve.engine import scheduler
