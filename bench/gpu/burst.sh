@@ -23,7 +23,9 @@
 # the event loop sooner), with MLX committing every 200 kernels instead of every ~30
 # (commit-200: MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000; MLX holds the host
 # back once ten commits are in flight, so this lets it run further ahead of the
-# device). mlx-vlm runs once after them, unless MLX_VLM=0.
+# device), with 4,096 prompt tokens prefilled between two decode steps instead of 2,048
+# (budget-4096: VLM_SERVE_PREFILL_TOKEN_BUDGET=4096). mlx-vlm runs once after them,
+# unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
 ARCH=${ARCH:-${PRESET%%-*}}
@@ -50,6 +52,7 @@ for variant in ${VARIANTS:-default}; do
     model-prefill) settings="VLM_SERVE_FUSED_PREFILL=0" ;;
     short-prefixes) settings="VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1" ;;
     commit-200) settings="MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000" ;;
+    budget-4096) settings="VLM_SERVE_PREFILL_TOKEN_BUDGET=4096" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

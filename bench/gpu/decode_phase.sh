@@ -12,16 +12,19 @@
 #   rounds    the burst twice on one engine, inputs ready, with every mark in order: what
 #             the first round's new shapes cost
 #   budget    the burst at prefill budgets 4096 and 2048, alternating, twice each
+#   candidates  the burst as it is, with the tower's GELU in the cube form, and with the
+#             4096 budget, then mlx-vlm; and again in turned order without mlx-vlm
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
 # call) and prints a summary. MODEL=DIR runs pacing, tower, rounds and budget on another
-# model (variants always runs bench/gpu/burst.sh's 4B). PARTS picks (each takes minutes;
+# model (variants and candidates always run bench/gpu/burst.sh's 4B). PARTS picks (each takes minutes;
 # split them over calls):
 #   OUT=DIR PARTS="pacing tower" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS=variants bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="rounds budget" bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS=candidates bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
@@ -92,4 +95,12 @@ if has budget; then
   done
   summarize "$OUT/budget"
   archive budget
+fi
+
+if has candidates; then
+  OUT=$OUT/candidates/1 WORKER_PARTS=1 VARIANTS="default gelu-cube budget-4096" bash bench/gpu/burst.sh > /dev/null 2>&1
+  OUT=$OUT/candidates/2 WORKER_PARTS=1 MLX_VLM=0 VARIANTS="budget-4096 gelu-cube default" \
+      bash bench/gpu/burst.sh > /dev/null 2>&1
+  summarize "$OUT/candidates/1"; summarize "$OUT/candidates/2"
+  archive candidates
 fi
