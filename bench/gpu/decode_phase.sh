@@ -48,6 +48,15 @@ archive() {  # $OUT/$1 -> $OUT/$1.tgz
   tar czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
 }
 
+turned_bursts() {  # $1: the part; $2: burst.sh variants, run in that order with mlx-vlm, then reversed
+  local reversed
+  reversed=$(echo "$2" | tr ' ' '\n' | tac | tr '\n' ' ')
+  OUT=$OUT/$1/1 WORKER_PARTS=1 VARIANTS="$2" bash bench/gpu/burst.sh > /dev/null 2>&1
+  OUT=$OUT/$1/2 WORKER_PARTS=1 MLX_VLM=0 VARIANTS="$reversed" bash bench/gpu/burst.sh > /dev/null 2>&1
+  summarize "$OUT/$1/1"; summarize "$OUT/$1/2"
+  archive "$1"
+}
+
 if has pacing; then
   mkdir -p "$OUT/pacing"
   python3 bench/decode_step.py --model "$MODEL" --batch-sizes 64 --context 460 --steps 48 \
@@ -69,13 +78,7 @@ if has tower; then
   archive tower
 fi
 
-if has variants; then
-  OUT=$OUT/variants/1 WORKER_PARTS=1 VARIANTS="default switch-0.5ms commit-200" bash bench/gpu/burst.sh > /dev/null 2>&1
-  OUT=$OUT/variants/2 WORKER_PARTS=1 MLX_VLM=0 VARIANTS="commit-200 switch-0.5ms default" \
-      bash bench/gpu/burst.sh > /dev/null 2>&1
-  summarize "$OUT/variants/1"; summarize "$OUT/variants/2"
-  archive variants
-fi
+if has variants; then turned_bursts variants "default switch-0.5ms commit-200"; fi
 
 if has rounds; then
   mkdir -p "$OUT/rounds"
@@ -97,10 +100,4 @@ if has budget; then
   archive budget
 fi
 
-if has candidates; then
-  OUT=$OUT/candidates/1 WORKER_PARTS=1 VARIANTS="default gelu-cube budget-4096" bash bench/gpu/burst.sh > /dev/null 2>&1
-  OUT=$OUT/candidates/2 WORKER_PARTS=1 MLX_VLM=0 VARIANTS="budget-4096 gelu-cube default" \
-      bash bench/gpu/burst.sh > /dev/null 2>&1
-  summarize "$OUT/candidates/1"; summarize "$OUT/candidates/2"
-  archive candidates
-fi
+if has candidates; then turned_bursts candidates "default gelu-cube budget-4096"; fi

@@ -122,7 +122,9 @@ def install(model: nn.Module) -> int:
     count = 0
     for _, module in model.named_modules():
         if type(module) is nn.GELU:
-            if any([checked_form(form, module._approx, dtype) is not None for dtype in DTYPES]):
+            # Every dtype's form is built and checked now, not inside a compiled trace.
+            forms = [checked_form(form, module._approx, dtype) for dtype in DTYPES]
+            if any(f is not None for f in forms):
                 module.__class__ = _FasterGELU
                 module._form = form
                 count += 1

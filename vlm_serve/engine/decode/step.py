@@ -49,13 +49,12 @@ class StepDecoder:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         kinds = sorted({k.window or 0 for k in layer_kinds})
         self.kind_index = [kinds.index(k.window or 0) for k in layer_kinds]
-        self.traces = 0  # shapes the compiled step has been traced for
-        self.traced_shapes: list[tuple[int, tuple[int, ...]]] = []  # (slots, each kind's columns)
+        # The shapes the compiled step has been traced for: (slots, each kind's columns).
+        self.traced_shapes: list[tuple[int, tuple[int, ...]]] = []
         forward = self.forward
 
         def traced(*args):
             # Python runs this only while mx.compile traces a new shape.
-            self.traces += 1
             tokens, keys = args[0], args[4]
             self.traced_shapes.append((tokens.shape[0], tuple(sorted({k.shape[2] for k in keys}))))
             log.debug("decode step traced for %d slots, %s columns", *self.traced_shapes[-1])
@@ -65,6 +64,11 @@ class StepDecoder:
         self.counts = uses_kernels()  # attention takes counts of visible keys, not a mask
         self.compile_max_slots = CUDA_COMPILE_MAX_SLOTS if cuda_attention.available() else None
         self.op_by_op_same_bits: bool | None = None  # unknown until a step past the limit
+
+    @property
+    def traces(self) -> int:
+        """How many shapes the compiled step has been traced for."""
+        return len(self.traced_shapes)
 
     def new_store(self) -> SlotStore:
         return SlotStore(self.layer_kinds, self.kv_heads, self.head_dim)
