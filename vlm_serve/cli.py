@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-token-budget", type=int, default=None,
                    help="prompt tokens prefilled between two decode steps (higher: bursts of "
                         "new requests start sooner; lower: smoother running streams); "
-                        "default 2048 on a GPU, 512 on the CPU")
+                        "default 4096 on a GPU, 512 on the CPU")
     g.add_argument("--prefill-wait-steps", type=_steps, default=None,
                    help="decode steps a new prompt may wait, while others are decoding, for "
                         "more prompts to share its prefill passes, where prompts have been "

@@ -25,7 +25,7 @@ class ServerConfig:
     max_model_len: int | None = None  # None: from the model config
     default_max_tokens: int = 1024
     prefill_step_size: int | None = None  # None: 2048 on a GPU, 512 on the CPU
-    prefill_token_budget: int | None = None  # None: 2048 on a GPU, 512 on the CPU
+    prefill_token_budget: int | None = None  # None: 4096 on a GPU, 512 on the CPU
     prefill_wait_steps: int | None = None  # None: see server.default_prefill_wait
     vision_cache_size: int = 64  # image sets whose vision features are kept (0: off) ...
     vision_cache_gb: float = 1.0  # ... and their memory
