@@ -24,7 +24,9 @@
 # (commit-200: MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000; MLX holds the host
 # back once ten commits are in flight, so this lets it run further ahead of the
 # device), with 4,096 prompt tokens prefilled between two decode steps instead of 2,048
-# (budget-4096: VLM_SERVE_PREFILL_TOKEN_BUDGET=4096). mlx-vlm runs once after them,
+# (budget-4096: VLM_SERVE_PREFILL_TOKEN_BUDGET=4096), with the CUDA defaults before the
+# cube GELU and the 4096 budget (mlx-gelu-2048: VLM_SERVE_TOWER_GELU=mlx
+# VLM_SERVE_PREFILL_TOKEN_BUDGET=2048). mlx-vlm runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -53,6 +55,7 @@ for variant in ${VARIANTS:-default}; do
     short-prefixes) settings="VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1" ;;
     commit-200) settings="MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000" ;;
     budget-4096) settings="VLM_SERVE_PREFILL_TOKEN_BUDGET=4096" ;;
+    mlx-gelu-2048) settings="VLM_SERVE_TOWER_GELU=mlx VLM_SERVE_PREFILL_TOKEN_BUDGET=2048" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"
