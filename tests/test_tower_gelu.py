@@ -11,6 +11,7 @@ from mlx_vlm import load
 
 from vlm_serve.engine import tower_gelu
 from vlm_serve.fixtures.build import cached_model
+from vlm_serve.mlx_runtime import cuda_available
 
 APPROXIMATIONS = ("none", "precise", "tanh", "fast")
 
@@ -81,7 +82,7 @@ def test_the_default_form_is_the_table_on_the_cpu_the_cube_on_cuda_and_mlx_ops_o
         assert tower_gelu.form_here() == "table"
     if mx.is_available(mx.gpu):
         with mx.stream(mx.gpu):
-            assert tower_gelu.form_here() == ("cube" if mx.cuda.is_available() else "mlx")
+            assert tower_gelu.form_here() == ("cube" if cuda_available() else "mlx")
 
 
 def test_mlx_ops_leave_the_model_alone_and_a_wrong_setting_is_refused(monkeypatch):

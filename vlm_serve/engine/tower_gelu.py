@@ -34,6 +34,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..mlx_runtime import cuda_available
+
 log = logging.getLogger("vlm_serve.engine")
 
 FORMS = ("table", "cube", "mlx")
@@ -70,7 +72,7 @@ def form_here() -> str:
         return SETTING
     if mx.default_device().type == mx.DeviceType.cpu:
         return "table"
-    return "cube" if mx.cuda.is_available() else "mlx"
+    return "cube" if cuda_available() else "mlx"
 
 
 def _build(form: str, approx: str, dtype: mx.Dtype) -> Callable[[mx.array], mx.array] | None:
