@@ -58,14 +58,14 @@ def default_prefill_budget() -> int:
     """Prompt tokens prefilled per scheduler turn. Measured on the demo model (CPU,
     c=16): 512 gives both more throughput and lower TTFT than 2048. On an H200 with a
     4B model, a burst of 64 image requests took 4.35-4.44 s at 4096 against 4.79-5.40 s
-    at 2048 (bench/results/gpu-h200-decode-phase): fewer turns in which the running rows
-    wait on a decode step between two passes."""
+    at 2048 (bench/results/gpu-h200-cube-gelu-and-budget): fewer turns, so fewer decode
+    steps queued behind prefill work. A pass that several prompts share may fill it."""
     return 4096 if on_gpu() else 512
 
 
 def default_prefill_step() -> int:
-    """Prompt tokens per prefill pass: 2048 on a GPU (as mlx-vlm's own generate; two
-    passes to a turn's budget), 512 on the CPU. On a GPU a pass costs the host about the
+    """A prompt's tokens per prefill pass: 2048 on a GPU (as mlx-vlm's own generate;
+    half a turn's budget), 512 on the CPU. On a GPU a pass costs the host about the
     same whatever its length (each of its ~3,000 operations is launched one by one), so
     fewer, longer passes start requests sooner; on the CPU the budget already keeps a
     turn short."""
