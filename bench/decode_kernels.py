@@ -2,10 +2,11 @@
 with a lane's loads in flight (``cuda_attention.KEY_LOADS``/``VALUE_LOADS``) or one at a
 time, and with the warp's keys staged in shared memory (``--stage``:
 ``cuda_attention.STAGE_KEYS``) or each lane loading its own; and a padded pass's zero
-rows by the engine's kernel (``padded_matmul.pad_rows``) or MLX's ``pad``. ``--part attention`` / ``--part pad`` run one of them 34 times (the
-Gemma-3-4B shape's layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of
-~580 keys in a store of 640 columns; a down projection's 64 rows of 10,240 padded to
-320) between the CUDA profiler's start and stop, for ncu's GPU time per kernel;
+rows by the engine's kernel (``padded_matmul.pad_rows``) or MLX's ``pad``.
+``--part attention`` / ``--part pad`` run one of them 34 times (the Gemma-3-4B shape's
+layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of ~580 keys in a store
+of 640 columns; a down projection's 64 rows of 10,240 padded to 320) between the CUDA
+profiler's start and stop, for ncu's GPU time per kernel;
 ``--part steps`` times the whole compiled decode step of ``--model`` at 64 ragged rows,
 the old ways, the defaults and the keys staged (``--stage``, default 4) alternating in
 one process. CUDA only.
@@ -87,9 +88,9 @@ def main() -> None:
     if args.loads:
         cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = (int(n) for n in args.loads.split(","))
     padded_matmul.PAD_KERNEL = not args.mlx_pad
-    if args.stage is not None and args.part == "attention":
-        cuda_attention.STAGE_KEYS = args.stage
     if args.part == "attention":
+        if args.stage is not None:
+            cuda_attention.STAGE_KEYS = args.stage
         attention(args.rows)
     elif args.part == "pad":
         pad()

@@ -704,10 +704,17 @@ def queries_per_block(group: int, dim: int, dtype: mx.Dtype, length: int) -> int
     return next(n for n in fits if n == 1 or n // 2 < length)
 
 
+def run_elements(dim: int, dtype: mx.Dtype) -> int:
+    """Elements pass 1 loads at once from a head of ``dim`` (its ``STEP``): 16 bytes
+    where rows are whole 16-byte runs, else one."""
+    vec = 16 // dtype.size
+    return vec if dim % vec == 0 else 1
+
+
 def lane_sums(group: int, dim: int, dtype: mx.Dtype) -> int:
     """The weighted values (floats) a lane of pass 1 keeps for one query of ``group``
     heads of ``dim``: its runs of each head's value dims."""
-    step = 16 // dtype.size if dim % (16 // dtype.size) == 0 else 1
+    step = run_elements(dim, dtype)
     return group * -(-dim // (32 * step)) * step
 
 
@@ -723,7 +730,7 @@ def loads_in_flight(group: int, dim: int, dtype: mx.Dtype, queries: int) -> tupl
 def staged_key_runs(group: int, dim: int, dtype: mx.Dtype, queries: int) -> int:
     """``STAGE_KEYS`` where pass 1's keys come in 16-byte runs and the staged pieces fit
     in a block's 48 KB of shared memory beside its queries and its warps' sums; else 0."""
-    if not STAGE_KEYS or dim % (16 // dtype.size):
+    if not STAGE_KEYS or run_elements(dim, dtype) * dtype.size != 16:
         return 0
     shared = 4 * (queries * group * dim + group * WARPS * (dim + 2)) + WARPS * 32 * (STAGE_KEYS + 1) * 16
     return STAGE_KEYS if shared <= 48 * 1024 else 0
