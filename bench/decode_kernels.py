@@ -1,18 +1,15 @@
 """Two parts of the engine's CUDA decode step, each way it may run: decode attention
 with a lane's loads in flight (``cuda_attention.KEY_LOADS``/``VALUE_LOADS``) or one at a
-time, and with the warp's keys staged in shared memory (``--stage``:
-``cuda_attention.STAGE_KEYS``) or each lane loading its own; and a padded pass's zero
-rows by the engine's kernel (``padded_matmul.pad_rows``) or MLX's ``pad``.
-``--part attention`` / ``--part pad`` run one of them 34 times (the Gemma-3-4B shape's
-layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of ~580 keys in a store
-of 640 columns; a down projection's 64 rows of 10,240 padded to 320) between the CUDA
-profiler's start and stop, for ncu's GPU time per kernel;
+time, and a padded pass's zero rows by the engine's kernel (``padded_matmul.pad_rows``)
+or MLX's ``pad``. ``--part attention`` / ``--part pad`` run one of them 34 times (the
+Gemma-3-4B shape's layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of
+~580 keys in a store of 640 columns; a down projection's 64 rows of 10,240 padded to
+320) between the CUDA profiler's start and stop, for ncu's GPU time per kernel;
 ``--part steps`` times the whole compiled decode step of ``--model`` at 64 ragged rows,
-the old ways, the defaults and the keys staged (``--stage``, default 4) alternating in
-one process. CUDA only.
+the old ways and the new alternating in one process. CUDA only.
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \\
-        --csv python bench/decode_kernels.py --part attention [--loads 1,1] [--stage 4] > attention.csv
+        --csv python bench/decode_kernels.py --part attention --loads 1,1 > attention.csv
     python bench/step_kernels.py --summarize attention.csv
     python bench/decode_kernels.py --part steps --model DIR --context 480
 """
@@ -52,21 +49,18 @@ def pad() -> None:
     profiled(lambda: [padded_matmul.pad_rows(x * (1 + i), 320) for i in range(LAYERS)])
 
 
-def steps(model_dir: str, context: int, rounds: int, stage: int) -> None:
+def steps(model_dir: str, context: int, rounds: int) -> None:
     from decode_step import engine_step
     from mlx_vlm import load
 
     from vlm_serve.engine.families import family_for
 
     model, _ = load(model_dir)
-    loads, default_stage = (cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS), cuda_attention.STAGE_KEYS
-    ways = {"loads 1,1 and MLX's pad": (1, 1, False, 0),
-            "defaults": (*loads, True, default_stage),
-            f"keys staged {stage} runs at a time": (*loads, True, stage)}
+    ways = {"loads 1,1 and MLX's pad": (1, 1, False),
+            "defaults": (cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS, True)}
     for n in range(rounds):
-        for name, (key_loads, value_loads, pad_kernel, staged) in ways.items():
+        for name, (key_loads, value_loads, pad_kernel) in ways.items():
             cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = key_loads, value_loads
-            cuda_attention.STAGE_KEYS = staged
             padded_matmul.PAD_KERNEL = pad_kernel
             family_for(model)._decoder = None  # a step compiled anew for each way
             print(f"round {n}, {name}: {engine_step(model, 64, context, 48, True):.3f} ms a step", flush=True)
@@ -77,9 +71,6 @@ def main() -> None:
     p.add_argument("--part", choices=("attention", "pad", "steps"), required=True)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--loads", default=None, help="attention: a lane's key and value loads in flight, e.g. 1,1")
-    p.add_argument("--stage", type=int, default=None,
-                   help="attention: runs of the keys the warp stages in shared memory at a time "
-                        "(0: each lane loads its own; default the module's); steps: the staged way's (default 4)")
     p.add_argument("--mlx-pad", action="store_true", help="pad: MLX's pad, not the engine's kernel")
     p.add_argument("--model")
     p.add_argument("--context", type=int, default=480)
@@ -89,13 +80,11 @@ def main() -> None:
         cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = (int(n) for n in args.loads.split(","))
     padded_matmul.PAD_KERNEL = not args.mlx_pad
     if args.part == "attention":
-        if args.stage is not None:
-            cuda_attention.STAGE_KEYS = args.stage
         attention(args.rows)
     elif args.part == "pad":
         pad()
     else:
-        steps(args.model, args.context, args.rounds, 4 if args.stage is None else args.stage)
+        steps(args.model, args.context, args.rounds)
 
 
 if __name__ == "__main__":

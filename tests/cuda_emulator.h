@@ -69,7 +69,6 @@ inline unsigned __ballot_sync(unsigned, bool p) {
   w.bar->arrive_and_wait();
   return mask;
 }
-inline void __syncwarp(unsigned = 0xffffffff) { my_warp->bar->arrive_and_wait(); }
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

@@ -173,26 +173,22 @@ class Attention:
     tensor-core one, over ``flash_chunk`` columns a block or all of them) and decode
     kernel, for bfloat16 with ``heads`` query heads, ``kv_heads`` key/value heads of
     ``dim``, scale ``scale``: each call launched as the module does. ``loads``: a lane's
-    loads in flight of keys and of values (default the module's); ``stage``: runs of the
-    keys staged in shared memory at a time (``cuda_attention.STAGE_KEYS``; default the
-    module's)."""
+    loads in flight of keys and of values (default the module's)."""
 
     CASES = [(True, 0), (True, 48), (False, 0)]  # (causal, window) instantiated
 
     def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 64, scale: float = 0.125,
-                 flash_chunk: int = 0, loads: tuple[int, int] | None = None, stage: int | None = None):
+                 flash_chunk: int = 0, loads: tuple[int, int] | None = None):
         self.heads, self.kv_heads, self.dim, self.scale = heads, kv_heads, dim, scale
         self.flash_chunk = flash_chunk
         group = cuda_attention.heads_per_block(heads, kv_heads, dim)
         a = cuda_attention
         common = [BF16, dim, kv_heads, group, a.CHUNK, a.WARPS]
         key_loads, value_loads = loads or (a.KEY_LOADS, a.VALUE_LOADS)
-        stage = a.STAGE_KEYS if stage is None else stage
         per_query, flash = [], []
         for queries in (1, 2, 4):
             for causal, window in self.CASES:
-                t = ", ".join(map(str, [*common, queries, str(causal).lower(), window, key_loads, value_loads,
-                                        stage]))
+                t = ", ".join(map(str, [*common, queries, str(causal).lower(), window, key_loads, value_loads]))
                 blocks = f"(unsigned)(B * ((L + {queries - 1}) / {queries}))"
                 per_query.append(
                     f"if (queries == {queries} && causal == {int(causal)} && window == {window}) {{\n"
@@ -212,7 +208,7 @@ class Attention:
                 f"flash_masked<{t}>(Q, qs, K, ks, V, mask, ms, &shift, {flash_out}); }});\n"
                 f"    else launch({grid}, {{128, 1, 1}}, [&] {{ flash<{t}>(Q, qs, K, ks, V, &shift, {flash_out}); }});\n  }}")
         prefill_params = ("template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, "
-                          "bool CAUSAL, int WINDOW, int KEY_LOADS, int VALUE_LOADS, int STAGE>")
+                          "bool CAUSAL, int WINDOW, int KEY_LOADS, int VALUE_LOADS>")
         flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW, int CHUNK>"
         # Concrete, as MLX declares a kernel's outputs (g++ does not check a discarded branch
         # against them; tests/test_cuda_sources.py does, with nvcc).
@@ -232,8 +228,7 @@ void prefill({qkv}, const int* column_shift, float* partial) {{
 void masked({qkv}, {mask_args}, const int* column_shift, float* partial) {{
 {row.replace("  VISIBLE" + chr(10), a._MASK_VISIBLE) + a._PARTIAL}
 }}
-template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, int KEY_LOADS, int VALUE_LOADS,
-          int STAGE>
+template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, int KEY_LOADS, int VALUE_LOADS>
 void decode(const T* q, const T* keys, const int* keys_shape, const T* values, const int* counts, float* partial) {{
 {a._COMMON + a._DECODE_ROW + a._PARTIAL}
 }}
@@ -277,7 +272,7 @@ extern "C" void decode_rows(const void* q, int slots, const void* k, const void*
   const unsigned chunks = (N + {a.CHUNK - 1}) / {a.CHUNK};
   std::vector<float> partial((size_t)slots * {heads} * chunks * ({dim} + 2));
   launch({{chunks, {heads // group}, (unsigned)slots}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{
-    decode<{", ".join(map(str, common))}, 1, {key_loads}, {value_loads}, {stage}>(Q, K, ks, V, counts,
+    decode<{", ".join(map(str, common))}, 1, {key_loads}, {value_loads}>(Q, K, ks, V, counts,
                                                                    partial.data()); }});
   combined(partial, slots, chunks, out);
 }}

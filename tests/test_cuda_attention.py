@@ -77,26 +77,6 @@ def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim, dtype, monkeyp
     assert np.array_equal(outputs[0][0], outputs[1][0]) and np.array_equal(outputs[0][1], outputs[1][1])
 
 
-@pytest.mark.parametrize("dim", [64, 80, 256])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_staged_keys_give_the_bits_of_each_lane_loading_its_own(dim, dtype, monkeypatch):
-    """The warp's keys staged in shared memory (``STAGE_KEYS``) give decode rows and a
-    prefill pass's queries (two a block) the bits of each lane loading its own key."""
-    monkeypatch.setattr(cuda_attention, "STAGE_KEYS", 4)
-    assert cuda_attention.staged_key_runs(2, dim, dtype, 2) == 4
-    rng = np.random.default_rng(dim + 1)
-    counts = mx.array([1, 33, 255, 300, 700], mx.int32)
-    q, keys, values = _store(rng, 5, 8, 4, dim, 768, dtype)
-    pq, pk, pv = _pass(rng, 2, 8, 4, dim, 90, 30, dtype)
-    outputs = []
-    for stage in (4, 0):
-        monkeypatch.setattr(cuda_attention, "STAGE_KEYS", stage)
-        decoded = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
-        passed = cuda_attention.prefill_attention(pq, pk, pv, dim**-0.5, window=40, queries=2)
-        outputs.append([np.array(out.astype(mx.float32)) for out in (decoded, passed)])
-    assert np.array_equal(outputs[0][0], outputs[1][0]) and np.array_equal(outputs[0][1], outputs[1][1])
-
-
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (8, 1, 64), (28, 4, 128), (32, 16, 512)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_heads_sharing_a_block_compute_what_each_computes_alone(heads, kv_heads, dim, dtype):

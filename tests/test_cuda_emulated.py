@@ -194,25 +194,6 @@ def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim):
     assert np.array_equal(several.prefill(q, k, v, window=48, queries=2), one.prefill(q, k, v, window=48, queries=2))
 
 
-@pytest.mark.parametrize("dim", [80, 256])
-def test_staged_keys_give_the_bits_of_each_lane_loading_its_own_key(dim):
-    """A warp's keys staged in shared memory, 4 runs of each at a time, give decode rows
-    the bits of each lane loading its own key: rows whose counts end inside a round of 32
-    columns and a chunk, and a row of one key (at 80 dims a key's 10 runs end inside a
-    piece); and the queries of a prefill pass, two a block, with a mask's gaps."""
-    lanes = emulation.Attention(heads=4, kv_heads=2, dim=dim, stage=0)
-    staged = emulation.Attention(heads=4, kv_heads=2, dim=dim, stage=4)
-    rng = np.random.default_rng(dim + 1)
-    counts = np.array([1, 45, 258, 300], np.int32)
-    q, k, v = _pass(rng, staged, len(counts), 1, 300)
-    assert np.array_equal(staged.decode(q, k, v, counts), lanes.decode(q, k, v, counts))
-    q, k, v = _pass(rng, staged, 2, 20, 70)
-    assert np.array_equal(staged.prefill(q, k, v, window=48, queries=2), lanes.prefill(q, k, v, window=48, queries=2))
-    mask = rng.random((2, 20, 70)) < 0.5
-    assert np.array_equal(staged.prefill(q, k, v, mask=mask, causal=False, queries=2),
-                          lanes.prefill(q, k, v, mask=mask, causal=False, queries=2))
-
-
 def test_attention_heads_are_normed_and_rotated_alike_in_steps_and_passes():
     """Query and key heads RMS-normalized and rotated at each token's position (Gemma 3's
     local and global rotary settings), value heads as they are: close to float64, in a

@@ -162,15 +162,10 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
         cuda_attention.prefill_attention(q, k, v, 0.125, causal=False, mask=mx.ones((2, 20, 40), mx.bool_),
                                          queries=1)
         # A key's runs in whole groups of loads and not; 7 heads of 128 a block, whose
-        # lanes load one at a time; each lane loading its own key, and the warp's keys
-        # staged (a head of 100 dims has no 16-byte runs to stage).
-        for stage in (0, 4):
-            monkeypatch.setattr(cuda_attention, "STAGE_KEYS", stage)
-            for heads, dim in ((8, 64), (8, 80), (8, 100), (8, 256), (28, 128)):
-                q, k, v = qkv(3, heads, 4, 1, 40, dim, dtype)
-                cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
-            q, k, v = qkv(2, 8, 4, 20, 40, 64, dtype)
-            cuda_attention.prefill_attention(q, k, v, 0.125, window=16, queries=2)
+        # lanes load one at a time.
+        for heads, dim in ((8, 64), (8, 80), (8, 256), (28, 128)):
+            q, k, v = qkv(3, heads, 4, 1, 40, dim, dtype)
+            cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
         hidden = mx.zeros((3, 256), dtype)
         cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
         for dim in (80, 256):  # threads past the head's pairs, and not

@@ -26,8 +26,7 @@
 # device), with 4,096 prompt tokens prefilled between two decode steps instead of 2,048
 # (budget-4096: VLM_SERVE_PREFILL_TOKEN_BUDGET=4096), with the CUDA defaults before the
 # cube GELU and the 4096 budget (mlx-gelu-2048: VLM_SERVE_TOWER_GELU=mlx
-# VLM_SERVE_PREFILL_TOKEN_BUDGET=2048), with decode attention's keys staged in shared
-# memory 4 runs at a time (staged-keys: VLM_SERVE_STAGE_KEYS=4). mlx-vlm runs once after them,
+# VLM_SERVE_PREFILL_TOKEN_BUDGET=2048). mlx-vlm runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -57,7 +56,6 @@ for variant in ${VARIANTS:-default}; do
     commit-200) settings="MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000" ;;
     budget-4096) settings="VLM_SERVE_PREFILL_TOKEN_BUDGET=4096" ;;
     mlx-gelu-2048) settings="VLM_SERVE_TOWER_GELU=mlx VLM_SERVE_PREFILL_TOKEN_BUDGET=2048" ;;
-    staged-keys) settings="VLM_SERVE_STAGE_KEYS=4" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

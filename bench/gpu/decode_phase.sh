@@ -14,11 +14,6 @@
 #   budget    the burst at prefill budgets 4096 and 2048, alternating, twice each
 #   candidates  the burst as it is, with the tower's GELU in the cube form, and with the
 #             4096 budget, then mlx-vlm; and again in turned order without mlx-vlm
-#   staged    decode attention with the warp's keys staged in shared memory
-#             (cuda_attention.STAGE_KEYS) against each lane loading its own: the same
-#             bits (tests/test_cuda_attention.py), 34 layers' kernels at 64 rows (ncu,
-#             twice each, alternating), and the whole compiled step (bench/decode_kernels.py)
-#   staged-burst  the burst as it is and with the keys staged, in turned order; mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
 # call) and prints a summary. MODEL=DIR runs pacing, tower, rounds and budget on another
 # model (variants and candidates always run bench/gpu/burst.sh's 4B). PARTS picks (each takes minutes;
@@ -27,10 +22,9 @@
 #   OUT=DIR PARTS=variants bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="rounds budget" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS=candidates bash bench/gpu/decode_phase.sh
-#   OUT=DIR PARTS="staged staged-burst" bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget candidates staged staged-burst}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
@@ -107,24 +101,3 @@ if has budget; then
 fi
 
 if has candidates; then turned_bursts candidates "default gelu-cube budget-4096"; fi
-
-if has staged; then
-  mkdir -p "$OUT/staged"
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py -k "staged or loads_in_flight or batched" \
-      > "$OUT/staged/tests.txt" 2>&1
-  tail -1 "$OUT/staged/tests.txt"
-  for run in 1 2; do
-    for stage in 0 4; do
-      "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel --csv \
-          python3 bench/decode_kernels.py --part attention --stage "$stage" \
-          > "$OUT/staged/attention-$stage-$run.csv" 2> "$OUT/staged/attention-$stage-$run.err"
-      echo "== 34 layers' decode attention at 64 rows, STAGE_KEYS=$stage, run $run"
-      python3 bench/step_kernels.py --summarize "$OUT/staged/attention-$stage-$run.csv" 2>/dev/null | head -3
-    done
-  done
-  python3 bench/decode_kernels.py --part steps --model "$MODEL" --context 480 --rounds 3 2>&1 \
-      | tee "$OUT/staged/steps.txt" | grep "a step"
-  archive staged
-fi
-
-if has staged-burst; then turned_bursts staged-burst "default staged-keys"; fi

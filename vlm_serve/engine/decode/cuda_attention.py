@@ -18,9 +18,7 @@ row the same way whatever else is in the batch:
   GPU time (ncu); now 34 layers' attention take 0.7x the time of MLX's own
   single-query kernel on rows of one length. Where its sums are few, a lane keeps
   several loads in flight (``loads_in_flight``) and sums them in the same order as one
-  at a time: the pass waits on memory's round trips, not its bandwidth. With
-  ``STAGE_KEYS`` the warp instead loads its round's keys into shared memory together,
-  a piece at a time, and each lane sums its own key from there in the same order;
+  at a time: the pass waits on memory's round trips, not its bandwidth;
 - pass 2: one block per (row, query head) combines the chunks in order. Chunks past a
   row's count are empty and add exact zeros, so the number of chunks (which follows the
   store's columns) never changes a row's bits.
@@ -52,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import mlx.core as mx
 
@@ -69,13 +66,6 @@ WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
 # against 60; ``bench/decode_kernels.py``).
 KEY_LOADS = 4
 VALUE_LOADS = 4
-# Runs of a key (16 bytes each) that pass 1 stages in shared memory at a time, for the
-# whole warp's keys of a round (``staged_key_runs``): the warp loads them together,
-# neighbouring lanes neighbouring bytes, where a lane loading its own key reads 16 bytes
-# of every 512-byte row (Gemma 3's heads of 256). Either way a lane sums its key in dim
-# order: the same bits. 0: off, until a GPU run has timed it (``bench/decode_kernels.py
-# --part attention --stage 4``); ``VLM_SERVE_STAGE_KEYS=4`` turns it on.
-STAGE_KEYS = int(os.environ.get("VLM_SERVE_STAGE_KEYS", "0"))
 # A lane's weighted values (floats) up to which it takes those loads: Gemma 3's. Wider
 # sums already hold the registers the loads would take (nvcc for sm_90: Qwen2.5-VL's 7
 # heads of 128 from 128 to 142 registers a thread, one block an SM instead of two;
@@ -228,46 +218,10 @@ _PARTIAL = """
     float s[QQ][QG];
 #pragma unroll
     for (int qq = 0; qq < QQ; ++qq) for (int h = 0; h < QG; ++h) s[qq][h] = 0.0f;
-    constexpr int RUNS = D / STEP;
-    // MLX compiles a kernel as a plain function, not a template: the branch not taken
-    // must still compile, hence PIECE, never 0.
-    constexpr int PIECE = STAGE > 0 ? STAGE : 1;
-    if constexpr (STAGE > 0 && STEP * sizeof(T) == 16) {
-      // The round's keys pass through shared memory PIECE runs at a time: the warp loads
-      // each piece together, neighbouring lanes neighbouring bytes (a lane's own key is
-      // a row away from its neighbour's), then each lane sums its key's runs in dim
-      // order, as below.
-      __shared__ uint4 k_stage[WARPS][32][PIECE + 1];  // a padding word: no bank conflicts
-      const unsigned wanted = __ballot_sync(0xffffffff, any);
-      for (int r0 = 0; r0 < RUNS; r0 += PIECE) {
-        __syncwarp();  // the last piece's reads are done
-        for (int w = lane; w < 32 * PIECE; w += 32) {
-          const int i = w / PIECE, r = r0 + w % PIECE;
-          if (((wanted >> i) & 1) && r < RUNS) {
-            k_stage[warp][i][w % PIECE] =
-                *reinterpret_cast<const uint4*>(k_row + (size_t)(c0 + i) * D + r * STEP);
-          }
-        }
-        __syncwarp();
-        if (!any) continue;
-#pragma unroll
-        for (int r = 0; r < PIECE; ++r) {
-          if (r0 + r >= RUNS) break;
-          alignas(16) T kv[STEP];
-          *reinterpret_cast<uint4*>(kv) = k_stage[warp][lane][r];
-#pragma unroll
-          for (int t = 0; t < STEP; ++t) {
-            const float kf = static_cast<float>(kv[t]);
-#pragma unroll
-            for (int qq = 0; qq < QQ; ++qq)
-#pragma unroll
-              for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][(r0 + r) * STEP + t] * kf;
-          }
-        }
-      }
-    } else if (any) {
+    if (any) {
       // KEY_LOADS of the key's runs loaded at once, then summed in dim order.
       const T* k = k_row + (size_t)c * D;
+      constexpr int RUNS = D / STEP;
       for (int r0 = 0; r0 < RUNS; r0 += KEY_LOADS) {
         alignas(16) T kv[KEY_LOADS][STEP];
 #pragma unroll
@@ -704,17 +658,10 @@ def queries_per_block(group: int, dim: int, dtype: mx.Dtype, length: int) -> int
     return next(n for n in fits if n == 1 or n // 2 < length)
 
 
-def run_elements(dim: int, dtype: mx.Dtype) -> int:
-    """Elements pass 1 loads at once from a head of ``dim`` (its ``STEP``): 16 bytes
-    where rows are whole 16-byte runs, else one."""
-    vec = 16 // dtype.size
-    return vec if dim % vec == 0 else 1
-
-
 def lane_sums(group: int, dim: int, dtype: mx.Dtype) -> int:
     """The weighted values (floats) a lane of pass 1 keeps for one query of ``group``
     heads of ``dim``: its runs of each head's value dims."""
-    step = run_elements(dim, dtype)
+    step = 16 // dtype.size if dim % (16 // dtype.size) == 0 else 1
     return group * -(-dim // (32 * step)) * step
 
 
@@ -725,15 +672,6 @@ def loads_in_flight(group: int, dim: int, dtype: mx.Dtype, queries: int) -> tupl
     if queries * lane_sums(group, dim, dtype) <= FEW_SUMS:
         return KEY_LOADS, VALUE_LOADS
     return 1, 1
-
-
-def staged_key_runs(group: int, dim: int, dtype: mx.Dtype, queries: int) -> int:
-    """``STAGE_KEYS`` where pass 1's keys come in 16-byte runs and the staged pieces fit
-    in a block's 48 KB of shared memory beside its queries and its warps' sums; else 0."""
-    if not STAGE_KEYS or run_elements(dim, dtype) * dtype.size != 16:
-        return 0
-    shared = 4 * (queries * group * dim + group * WARPS * (dim + 2)) + WARPS * 32 * (STAGE_KEYS + 1) * 16
-    return STAGE_KEYS if shared <= 48 * 1024 else 0
 
 
 def queries_in_shared_memory(group: int, dim: int) -> int:
@@ -879,11 +817,10 @@ def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: i
     chunks = max(1, -(-(columns + shift) // CHUNK))
     group = group or heads_per_block(heads, kv_heads, dim)
     partial_kernel, combine_kernel = kernels
-    queries = dict(template)["QQ"]
-    key_loads, value_loads = loads_in_flight(group, dim, q.dtype, queries)
+    key_loads, value_loads = loads_in_flight(group, dim, q.dtype, dict(template)["QQ"])
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads), ("QG", group),
                 ("CHUNK", CHUNK), ("WARPS", WARPS), *template, ("KEY_LOADS", key_loads),
-                ("VALUE_LOADS", value_loads), ("STAGE", staged_key_runs(group, dim, q.dtype, queries))]
+                ("VALUE_LOADS", value_loads)]
     (partial,) = partial_kernel(
         inputs=inputs,
         template=template,
