@@ -1,7 +1,8 @@
 """Two parts of the engine's CUDA decode step, each way it may run: decode attention
 with a lane's loads in flight (``cuda_attention.KEY_LOADS``/``VALUE_LOADS``) or one at a
-time, and a padded pass's zero rows by the engine's kernel (``padded_matmul.pad_rows``)
-or MLX's ``pad``. ``--part attention`` / ``--part pad`` run one of them 34 times (the
+time, or its columns split another way among blocks and warps (``--split``), and a
+padded pass's zero rows by the engine's kernel (``padded_matmul.pad_rows``) or MLX's
+``pad``. ``--part attention`` / ``--part pad`` run one of them 34 times (the
 Gemma-3-4B shape's layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of
 ~580 keys in a store of 640 columns; a down projection's 64 rows of 10,240 padded to
 320) between the CUDA profiler's start and stop, for ncu's GPU time per kernel;
@@ -71,6 +72,9 @@ def main() -> None:
     p.add_argument("--part", choices=("attention", "pad", "steps"), required=True)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--loads", default=None, help="attention: a lane's key and value loads in flight, e.g. 1,1")
+    p.add_argument("--split", default=None,
+                   help="attention: pass 1's columns per block and warps per block, e.g. 128,4 "
+                        "(a row's bits follow them; default the module's)")
     p.add_argument("--mlx-pad", action="store_true", help="pad: MLX's pad, not the engine's kernel")
     p.add_argument("--model")
     p.add_argument("--context", type=int, default=480)
@@ -78,6 +82,8 @@ def main() -> None:
     args = p.parse_args()
     if args.loads:
         cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = (int(n) for n in args.loads.split(","))
+    if args.split:
+        cuda_attention.CHUNK, cuda_attention.WARPS = (int(n) for n in args.split.split(","))
     padded_matmul.PAD_KERNEL = not args.mlx_pad
     if args.part == "attention":
         attention(args.rows)
