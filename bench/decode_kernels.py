@@ -1,13 +1,19 @@
-"""Two parts of the engine's CUDA decode step, each way it may run: decode attention
-with a lane's loads in flight (``cuda_attention.KEY_LOADS``/``VALUE_LOADS``) or one at a
-time, or its columns split another way among blocks and warps (``--split``), and a
-padded pass's zero rows by the engine's kernel (``padded_matmul.pad_rows``) or MLX's
-``pad``. ``--part attention`` / ``--part pad`` run one of them 34 times (the
-Gemma-3-4B shape's layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of
-~580 keys in a store of 640 columns; a down projection's 64 rows of 10,240 padded to
-320) between the CUDA profiler's start and stop, for ncu's GPU time per kernel;
-``--part steps`` times the whole compiled decode step of ``--model`` at 64 ragged rows,
-the old ways and the new alternating in one process. CUDA only.
+"""Two parts of the engine's CUDA decode step, each way it may run.
+
+- Decode attention: with a lane's loads in flight (``cuda_attention.KEY_LOADS``/
+  ``VALUE_LOADS``) or one at a time; with its keys and values copied into shared memory
+  asynchronously (``--pipeline``: ``cuda_attention.PIPELINE``); or with its columns split
+  another way among blocks and warps (``--split``).
+- A padded pass's zero rows: by the engine's kernel (``padded_matmul.pad_rows``) or by
+  MLX's ``pad``.
+
+``--part attention`` / ``--part pad`` run one of them 34 times between the CUDA
+profiler's start and stop, for ncu's GPU time per kernel. The shapes are the
+Gemma-3-4B shape's layers: 8 query heads, 4 key/value heads of 256, bf16, B rows of ~580
+keys in a store of 640 columns; a down projection's 64 rows of 10,240 padded to 320.
+``--part steps`` times the whole compiled decode step of ``--model`` at 64 ragged rows:
+the old ways, the defaults and ``--pipeline`` (default 0: each lane's own loads),
+alternating in one process. CUDA only.
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --print-summary per-kernel \\
         --csv python bench/decode_kernels.py --part attention --loads 1,1 > attention.csv
@@ -50,18 +56,21 @@ def pad() -> None:
     profiled(lambda: [padded_matmul.pad_rows(x * (1 + i), 320) for i in range(LAYERS)])
 
 
-def steps(model_dir: str, context: int, rounds: int) -> None:
+def steps(model_dir: str, context: int, rounds: int, pipeline: int) -> None:
     from decode_step import engine_step
     from mlx_vlm import load
 
     from vlm_serve.engine.families import family_for
 
     model, _ = load(model_dir)
-    ways = {"loads 1,1 and MLX's pad": (1, 1, False),
-            "defaults": (cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS, True)}
+    loads, default_pipeline = (cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS), cuda_attention.PIPELINE
+    ways = {"loads 1,1 and MLX's pad": (1, 1, False, 0),
+            "defaults": (*loads, True, default_pipeline),
+            f"PIPELINE={pipeline}": (*loads, True, pipeline)}
     for n in range(rounds):
-        for name, (key_loads, value_loads, pad_kernel) in ways.items():
+        for name, (key_loads, value_loads, pad_kernel, stages) in ways.items():
             cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = key_loads, value_loads
+            cuda_attention.PIPELINE = stages
             padded_matmul.PAD_KERNEL = pad_kernel
             family_for(model)._decoder = None  # a step compiled anew for each way
             print(f"round {n}, {name}: {engine_step(model, 64, context, 48, True):.3f} ms a step", flush=True)
@@ -75,6 +84,9 @@ def main() -> None:
     p.add_argument("--split", default=None,
                    help="attention: pass 1's columns per block and warps per block, e.g. 128,4 "
                         "(a row's bits follow them; default the module's)")
+    p.add_argument("--pipeline", type=int, default=None,
+                   help="attention: stages of asynchronous copies (0: each lane's own loads; default the "
+                        "module's); steps: the third way's (default 0)")
     p.add_argument("--mlx-pad", action="store_true", help="pad: MLX's pad, not the engine's kernel")
     p.add_argument("--model")
     p.add_argument("--context", type=int, default=480)
@@ -82,6 +94,8 @@ def main() -> None:
     args = p.parse_args()
     if args.loads:
         cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = (int(n) for n in args.loads.split(","))
+    if args.pipeline is not None and args.part == "attention":
+        cuda_attention.PIPELINE = args.pipeline
     if args.split:
         cuda_attention.CHUNK, cuda_attention.WARPS = (int(n) for n in args.split.split(","))
     padded_matmul.PAD_KERNEL = not args.mlx_pad
@@ -90,7 +104,7 @@ def main() -> None:
     elif args.part == "pad":
         pad()
     else:
-        steps(args.model, args.context, args.rounds)
+        steps(args.model, args.context, args.rounds, args.pipeline or 0)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ inline thread_local std::barrier<>* my_block;
 #undef __shared__
 #define __shared__ static
 #define __syncthreads() my_block->arrive_and_wait()
+#define __syncwarp(...) my_warp->bar->arrive_and_wait()
 
 template <class V>
 inline V warp_exchange(V v, int src) {

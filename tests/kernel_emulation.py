@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from vlm_serve.engine import cuda_matmul
@@ -173,22 +174,25 @@ class Attention:
     tensor-core one, over ``flash_chunk`` columns a block or all of them) and decode
     kernel, for bfloat16 with ``heads`` query heads, ``kv_heads`` key/value heads of
     ``dim``, scale ``scale``: each call launched as the module does. ``loads``: a lane's
-    loads in flight of keys and of values (default the module's)."""
+    loads in flight of keys and of values (default the module's); ``pipeline``: decode's
+    stages of asynchronous copies (default as the module chooses)."""
 
     CASES = [(True, 0), (True, 48), (False, 0)]  # (causal, window) instantiated
 
     def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 64, scale: float = 0.125,
-                 flash_chunk: int = 0, loads: tuple[int, int] | None = None):
+                 flash_chunk: int = 0, loads: tuple[int, int] | None = None, pipeline: int | None = None):
         self.heads, self.kv_heads, self.dim, self.scale = heads, kv_heads, dim, scale
         self.flash_chunk = flash_chunk
         group = cuda_attention.heads_per_block(heads, kv_heads, dim)
         a = cuda_attention
         common = [BF16, dim, kv_heads, group, a.CHUNK, a.WARPS]
         key_loads, value_loads = loads or (a.KEY_LOADS, a.VALUE_LOADS)
+        if pipeline is None:
+            pipeline = a.pipeline_stages(group, dim, mx.bfloat16)
         per_query, flash = [], []
         for queries in (1, 2, 4):
             for causal, window in self.CASES:
-                t = ", ".join(map(str, [*common, queries, str(causal).lower(), window, key_loads, value_loads]))
+                t = ", ".join(map(str, [*common, queries, str(causal).lower(), window, key_loads, value_loads, 0]))
                 blocks = f"(unsigned)(B * ((L + {queries - 1}) / {queries}))"
                 per_query.append(
                     f"if (queries == {queries} && causal == {int(causal)} && window == {window}) {{\n"
@@ -208,7 +212,7 @@ class Attention:
                 f"flash_masked<{t}>(Q, qs, K, ks, V, mask, ms, &shift, {flash_out}); }});\n"
                 f"    else launch({grid}, {{128, 1, 1}}, [&] {{ flash<{t}>(Q, qs, K, ks, V, &shift, {flash_out}); }});\n  }}")
         prefill_params = ("template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, "
-                          "bool CAUSAL, int WINDOW, int KEY_LOADS, int VALUE_LOADS>")
+                          "bool CAUSAL, int WINDOW, int KEY_LOADS, int VALUE_LOADS, int PIPELINE>")
         flash_params = "template <typename T, int D, int KV_HEADS, bool CAUSAL, int WINDOW, int CHUNK>"
         # Concrete, as MLX declares a kernel's outputs (g++ does not check a discarded branch
         # against them; tests/test_cuda_sources.py does, with nvcc).
@@ -228,7 +232,8 @@ void prefill({qkv}, const int* column_shift, float* partial) {{
 void masked({qkv}, {mask_args}, const int* column_shift, float* partial) {{
 {row.replace("  VISIBLE" + chr(10), a._MASK_VISIBLE) + a._PARTIAL}
 }}
-template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, int KEY_LOADS, int VALUE_LOADS>
+template <typename T, int D, int KV_HEADS, int QG, int CHUNK, int WARPS, int QQ, int KEY_LOADS, int VALUE_LOADS,
+          int PIPELINE>
 void decode(const T* q, const T* keys, const int* keys_shape, const T* values, const int* counts, float* partial) {{
 {a._COMMON + a._DECODE_ROW + a._PARTIAL}
 }}
@@ -272,7 +277,7 @@ extern "C" void decode_rows(const void* q, int slots, const void* k, const void*
   const unsigned chunks = (N + {a.CHUNK - 1}) / {a.CHUNK};
   std::vector<float> partial((size_t)slots * {heads} * chunks * ({dim} + 2));
   launch({{chunks, {heads // group}, (unsigned)slots}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{
-    decode<{", ".join(map(str, common))}, 1, {key_loads}, {value_loads}>(Q, K, ks, V, counts,
+    decode<{", ".join(map(str, common))}, 1, {key_loads}, {value_loads}, {pipeline}>(Q, K, ks, V, counts,
                                                                    partial.data()); }});
   combined(partial, slots, chunks, out);
 }}

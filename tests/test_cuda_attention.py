@@ -63,6 +63,7 @@ def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim, dtype, monkeyp
     """A lane's several loads in flight (``KEY_LOADS``, ``VALUE_LOADS``) give decode rows
     and a prefill pass's queries the bits of one load at a time."""
     assert cuda_attention.loads_in_flight(2, dim, dtype, 1) == (cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS)
+    monkeypatch.setattr(cuda_attention, "PIPELINE", 0)  # decode rows load into registers
     rng = np.random.default_rng(dim)
     counts = mx.array([1, 33, 255, 300, 700], mx.int32)
     q, keys, values = _store(rng, 5, 8, 4, dim, 768, dtype)
@@ -75,6 +76,22 @@ def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim, dtype, monkeyp
         passed = cuda_attention.prefill_attention(pq, pk, pv, dim**-0.5, window=40, queries=1)
         outputs.append([np.array(out.astype(mx.float32)) for out in (decoded, passed)])
     assert np.array_equal(outputs[0][0], outputs[1][0]) and np.array_equal(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize("dim", [80, 256])
+def test_pipelined_decode_gives_the_bits_of_each_lane_loading_its_own(dim, monkeypatch):
+    """Decode's keys and values copied into shared memory asynchronously, in pieces
+    (``PIPELINE``), give each row the bits of each lane loading its own key and the
+    values into registers."""
+    monkeypatch.setattr(cuda_attention, "PIPELINE", 5)
+    assert cuda_attention.pipeline_stages(2, dim, mx.bfloat16) == 5
+    rng = np.random.default_rng(dim + 2)
+    counts = mx.array([1, 33, 255, 300, 700], mx.int32)
+    q, keys, values = _store(rng, 5, 8, 4, dim, 768, mx.bfloat16)
+    pipelined = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
+    monkeypatch.setattr(cuda_attention, "PIPELINE", 0)
+    own = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
+    assert np.array_equal(np.array(pipelined.astype(mx.float32)), np.array(own.astype(mx.float32)))
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 256), (8, 1, 64), (28, 4, 128), (32, 16, 512)])

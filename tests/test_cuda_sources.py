@@ -165,7 +165,9 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
         # lanes load one at a time.
         for heads, dim in ((8, 64), (8, 80), (8, 256), (28, 128)):
             q, k, v = qkv(3, heads, 4, 1, 40, dim, dtype)
-            cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
+            for pipeline in (0, 5):  # each lane's own loads; asynchronous copies in 5 stages
+                monkeypatch.setattr(cuda_attention, "PIPELINE", pipeline)
+                cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
         hidden = mx.zeros((3, 256), dtype)
         cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
         for dim in (80, 256):  # threads past the head's pairs, and not

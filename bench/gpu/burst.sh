@@ -26,7 +26,9 @@
 # device), with 4,096 prompt tokens prefilled between two decode steps instead of 2,048
 # (budget-4096: VLM_SERVE_PREFILL_TOKEN_BUDGET=4096), with the CUDA defaults before the
 # cube GELU and the 4096 budget (mlx-gelu-2048: VLM_SERVE_TOWER_GELU=mlx
-# VLM_SERVE_PREFILL_TOKEN_BUDGET=2048). mlx-vlm runs once after them,
+# VLM_SERVE_PREFILL_TOKEN_BUDGET=2048), with decode attention's lanes loading their own
+# keys and values instead of copies into shared memory (own-loads:
+# VLM_SERVE_ATTENTION_PIPELINE=0). mlx-vlm runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -56,6 +58,7 @@ for variant in ${VARIANTS:-default}; do
     commit-200) settings="MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000" ;;
     budget-4096) settings="VLM_SERVE_PREFILL_TOKEN_BUDGET=4096" ;;
     mlx-gelu-2048) settings="VLM_SERVE_TOWER_GELU=mlx VLM_SERVE_PREFILL_TOKEN_BUDGET=2048" ;;
+    own-loads) settings="VLM_SERVE_ATTENTION_PIPELINE=0" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

@@ -14,6 +14,12 @@
 #   budget    the burst at prefill budgets 4096 and 2048, alternating, twice each
 #   candidates  the burst as it is, with the tower's GELU in the cube form, and with the
 #             4096 budget, then mlx-vlm; and again in turned order without mlx-vlm
+#   pipeline  decode attention with its keys and values copied into shared memory
+#             asynchronously (cuda_attention.PIPELINE: 5 stages, and 3) against each lane
+#             loading its own: the same bits (tests/test_cuda_attention.py), 34 layers'
+#             kernels at 64 rows (ncu, twice each, alternating), and the whole compiled step
+#   pipeline-burst  the burst as it is and with each lane's own loads, in turned order;
+#             mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
 # call) and prints a summary. MODEL=DIR runs pacing, tower, rounds and budget on another
 # model (variants and candidates always run bench/gpu/burst.sh's 4B). PARTS picks (each takes minutes;
@@ -22,9 +28,11 @@
 #   OUT=DIR PARTS=variants bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="rounds budget" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS=candidates bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS=pipeline bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS=pipeline-burst bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget candidates}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
@@ -101,3 +109,25 @@ if has budget; then
 fi
 
 if has candidates; then turned_bursts candidates "default gelu-cube budget-4096"; fi
+
+if has pipeline; then
+  mkdir -p "$OUT/pipeline"
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py -k "pipelined or loads_in_flight or batched" \
+      > "$OUT/pipeline/tests.txt" 2>&1
+  tail -1 "$OUT/pipeline/tests.txt"
+  for run in 1 2; do
+    for stages in 0 5 3; do
+      "$NCU" --profile-from-start off --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+          --print-summary per-kernel --csv python3 bench/decode_kernels.py --part attention --pipeline "$stages" \
+          > "$OUT/pipeline/attention-$stages-$run.csv" 2> "$OUT/pipeline/attention-$stages-$run.err"
+      echo "== 34 layers' decode attention at 64 rows, PIPELINE=$stages, run $run"
+      python3 bench/step_kernels.py --summarize "$OUT/pipeline/attention-$stages-$run.csv" 2>/dev/null | head -2
+      grep partial "$OUT/pipeline/attention-$stages-$run.csv" | grep dram__ | awk -F'","' '{print "   DRAM %", $(NF-1)}'
+    done
+  done
+  python3 bench/decode_kernels.py --part steps --model "$MODEL" --context 480 --rounds 3 --pipeline 0 2>&1 \
+      | tee "$OUT/pipeline/steps.txt" | grep "a step"
+  archive pipeline
+fi
+
+if has pipeline-burst; then turned_bursts pipeline-burst "default own-loads"; fi

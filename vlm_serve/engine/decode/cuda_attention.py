@@ -18,7 +18,9 @@ row the same way whatever else is in the batch:
   GPU time (ncu); now 34 layers' attention take 0.7x the time of MLX's own
   single-query kernel on rows of one length. Where its sums are few, a lane keeps
   several loads in flight (``loads_in_flight``) and sums them in the same order as one
-  at a time: the pass waits on memory's round trips, not its bandwidth;
+  at a time: the pass waits on memory's round trips, not its bandwidth. With
+  ``PIPELINE`` a decode warp instead copies its keys and values into shared memory
+  asynchronously, several pieces ahead of its sums, which run in the same order;
 - pass 2: one block per (row, query head) combines the chunks in order. Chunks past a
   row's count are empty and add exact zeros, so the number of chunks (which follows the
   store's columns) never changes a row's bits.
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import mlx.core as mx
 
@@ -66,6 +69,19 @@ WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
 # against 60; ``bench/decode_kernels.py``).
 KEY_LOADS = 4
 VALUE_LOADS = 4
+# Stages of decode's pass 1 pipeline (``pipeline_stages``). A warp's keys and values
+# reach shared memory by asynchronous copies, in 1 KB pieces, all stages but one in
+# flight while the lanes sum the oldest, instead of each lane loading into registers.
+# Each lane sums the same terms in the same order, so the bits are the same.
+# - Why: pass 1 waits on memory's round trips (ncu, H200: DRAM 46% busy, 3 blocks an SM
+#   by registers; ``bench/results/gpu-h200-decode-attention-probes``), and registers
+#   bound the loads a lane keeps in flight. Copies need none.
+# - nvcc for sm_90, Gemma 3's heads at 5 stages: 82 registers and 43,136 B of shared
+#   memory a block, against 74 and 18,560 without. Still 3 blocks an SM.
+# - ncu, H200, 34 layers at 64 rows (``bench/decode_kernels.py --part attention
+#   --pipeline N``): pass 1 4.95 ms at 5 stages against 5.34 with each lane's own loads.
+# - 0 turns it off (``VLM_SERVE_ATTENTION_PIPELINE=0``).
+PIPELINE = int(os.environ.get("VLM_SERVE_ATTENTION_PIPELINE", "5"))
 # A lane's weighted values (floats) up to which it takes those loads: Gemma 3's. Wider
 # sums already hold the registers the loads would take (nvcc for sm_90: Qwen2.5-VL's 7
 # heads of 128 from 128 to 142 registers a thread, one block an SM instead of two;
@@ -84,6 +100,31 @@ __device__ __forceinline__ float warp_sum(float x) {
     x += __shfl_xor_sync(0xffffffff, x, offset);
   }
   return __shfl_sync(0xffffffff, x, 0);  // lane 0's order, on every lane
+}
+
+// 16 bytes from global to shared memory without waiting for them (cp.async): a thread's
+// copies land by the groups it commits (copy_wait). The CPU emulation copies at once.
+__device__ __forceinline__ void copy_async(void* shared, const void* global) {
+#ifdef __CUDA_ARCH__
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(to), "l"(global) : "memory");
+#else
+  *static_cast<uint4*>(shared) = *static_cast<const uint4*>(global);
+#endif
+}
+
+__device__ __forceinline__ void copy_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed groups of copies are still in flight.
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
 }
 
 // A run of STEP elements into registers: one 16-byte load where the run is 16 bytes.
@@ -207,6 +248,35 @@ _PARTIAL = """
   // start at the run's first column whatever a query's first visible one, so a column
   // meets the same lane whether a query's columns come as a count, a window or a mask;
   // a column a query does not see adds nothing to it.
+  // With PIPELINE stages (2 or more), a round's keys and then its values reach shared memory as
+  // pieces of PIECE_RUNS runs of each of its 32 keys, or of PIECE_COLUMNS columns' values,
+  // by asynchronous copies (which need no registers to wait in): PIPELINE - 1 pieces in
+  // flight while the lanes sum the oldest. The warps' sums at the end overlay the stages.
+  constexpr int RUNS = D / STEP;  // a key's or a value row's runs
+  constexpr bool PIPELINED = PIPELINE > 1 && STEP * sizeof(T) == 16;
+  // MLX compiles the kernel as a plain function, so the pipelined code compiles even
+  // where it does not run: with at least two stages.
+  constexpr int STAGES = PIPELINED ? PIPELINE : 2;
+  constexpr int PIECE_RUNS = 2, PIECE_COLUMNS = 2;
+  constexpr int KEY_PIECES = (RUNS + PIECE_RUNS - 1) / PIECE_RUNS;
+  constexpr int PIECES = KEY_PIECES + 32 / PIECE_COLUMNS;
+  constexpr int KEY_WORDS = 32 * PIECE_RUNS, VALUE_WORDS = PIECE_COLUMNS * RUNS;  // 16 bytes each
+  constexpr int STAGE_WORDS = KEY_WORDS > VALUE_WORDS ? KEY_WORDS : VALUE_WORDS;
+  constexpr int STAGED_WORDS = PIPELINED ? WARPS * STAGES * STAGE_WORDS : 0;
+  constexpr int SUM_WORDS = (QG * WARPS * D + 3) / 4;
+  __shared__ uint4 pool[STAGED_WORDS > SUM_WORDS ? STAGED_WORDS : SUM_WORDS];
+  uint4* my_stages = pool + (PIPELINED ? warp * STAGES * STAGE_WORDS : 0);
+  // Key i's runs sit in its row of the stage turned by i's place in 128 bytes, so the
+  // lanes reading their own keys' runs at once hit every bank once.
+  auto key_slot = [](int i, int r) { return i * PIECE_RUNS + (r ^ (i / (8 / PIECE_RUNS) % PIECE_RUNS)); };
+  static_assert(PIECE_RUNS == 1 || PIECE_RUNS == 2 || PIECE_RUNS == 4 || PIECE_RUNS == 8, "whole banks");
+  static_assert(32 % PIECE_COLUMNS == 0, "a round's columns in whole pieces");
+
+  // Rounds of 32 columns, one per lane: each lane's dot products run over its own key
+  // in dim order, so no lane waits on another's until the round's max and sum. Rounds
+  // start at the run's first column whatever a query's first visible one, so a column
+  // meets the same lane whether a query's columns come as a count, a window or a mask;
+  // a column a query does not see adds nothing to it.
   for (int c0 = run; c0 < last; c0 += 32) {
     const int c = c0 + lane;
     bool valid[QQ], any = false;
@@ -215,87 +285,156 @@ _PARTIAL = """
       valid[qq] = c >= first[qq] && c < stop[qq] && visible(qq, c);
       any = any || valid[qq];
     }
-    float s[QQ][QG];
+    // The round's columns some query sees: only their keys and values are read (never a
+    // value no query sees, which a masked-out padding row may hold as anything).
+    const unsigned live = __ballot_sync(0xffffffff, any);
+    float s[QQ][QG], p[QQ][QG];
 #pragma unroll
     for (int qq = 0; qq < QQ; ++qq) for (int h = 0; h < QG; ++h) s[qq][h] = 0.0f;
-    if (any) {
-      // KEY_LOADS of the key's runs loaded at once, then summed in dim order.
-      const T* k = k_row + (size_t)c * D;
-      constexpr int RUNS = D / STEP;
-      for (int r0 = 0; r0 < RUNS; r0 += KEY_LOADS) {
-        alignas(16) T kv[KEY_LOADS][STEP];
+    // Key run `r` (of STEP elements) into each query's dot products with the block's heads.
+    auto sum_key_run = [&](const T* kv, int r) {
 #pragma unroll
-        for (int r = 0; r < KEY_LOADS; ++r) {
-          if (r0 + r < RUNS) load_run<T, STEP>(k + (r0 + r) * STEP, kv[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < KEY_LOADS; ++r) {
-          if (r0 + r >= RUNS) break;
-#pragma unroll
-          for (int t = 0; t < STEP; ++t) {
-            const float kf = static_cast<float>(kv[r][t]);
-#pragma unroll
-            for (int qq = 0; qq < QQ; ++qq)
-#pragma unroll
-              for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][(r0 + r) * STEP + t] * kf;
-          }
-        }
-      }
-    }
-    float p[QQ][QG];
-#pragma unroll
-    for (int qq = 0; qq < QQ; ++qq) {
-#pragma unroll
-      for (int h = 0; h < QG; ++h) {
-        s[qq][h] = valid[qq] ? s[qq][h] * SCALE : NEG_INF;
-        const float m_new = fmaxf(m[qq][h], warp_max(s[qq][h]));
-        p[qq][h] = valid[qq] ? expf(s[qq][h] - m_new) : 0.0f;
-        // A round of columns none seen yet (a mask's gap): nothing to rescale.
-        const float alpha = m_new == NEG_INF ? 1.0f : expf(m[qq][h] - m_new);
-        l[qq][h] = l[qq][h] * alpha + warp_sum(p[qq][h]);
-#pragma unroll
-        for (int j = 0; j < SPANS; ++j) for (int t = 0; t < STEP; ++t) o[qq][h][j][t] *= alpha;
-        m[qq][h] = m_new;
-      }
-    }
-    // The round's seen columns in order (never a value no query sees, which a masked-out
-    // padding row may hold as anything), VALUE_LOADS columns' values loaded at once.
-    static_assert(32 % VALUE_LOADS == 0, "a round's columns in whole groups of loads");
-    const unsigned live = __ballot_sync(0xffffffff, any);
-    for (int i0 = 0; i0 < 32; i0 += VALUE_LOADS) {
-      const unsigned seen = (live >> i0) & (0xffffffffu >> (32 - VALUE_LOADS));
-      if (seen == 0) continue;
-      alignas(16) T vv[VALUE_LOADS][SPANS][STEP];
-#pragma unroll
-      for (int i = 0; i < VALUE_LOADS; ++i) {
-        if (!((seen >> i) & 1)) continue;
-        const T* v = v_row + (size_t)(c0 + i0 + i) * D;
-#pragma unroll
-        for (int j = 0; j < SPANS; ++j) {
-          const int d0 = (j * 32 + lane) * STEP;
-          if (d0 < D) load_run<T, STEP>(v + d0, vv[i][j]);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < VALUE_LOADS; ++i) {
-        if (!((seen >> i) & 1)) continue;
-        float pc[QQ][QG];
+      for (int t = 0; t < STEP; ++t) {
+        const float kf = static_cast<float>(kv[t]);
 #pragma unroll
         for (int qq = 0; qq < QQ; ++qq)
 #pragma unroll
-          for (int h = 0; h < QG; ++h) pc[qq][h] = __shfl_sync(0xffffffff, p[qq][h], i0 + i);
+          for (int h = 0; h < QG; ++h) s[qq][h] += q_s[qq][h][r * STEP + t] * kf;
+      }
+    };
+    // The round's scores into the running max and sum; p: each column's weight.
+    auto fold_scores = [&] {
 #pragma unroll
-        for (int j = 0; j < SPANS; ++j) {
-          const int d0 = (j * 32 + lane) * STEP;
-          if (d0 >= D) break;
+      for (int qq = 0; qq < QQ; ++qq) {
 #pragma unroll
-          for (int t = 0; t < STEP; ++t) {
-            const float vf = static_cast<float>(vv[i][j][t]);
+        for (int h = 0; h < QG; ++h) {
+          s[qq][h] = valid[qq] ? s[qq][h] * SCALE : NEG_INF;
+          const float m_new = fmaxf(m[qq][h], warp_max(s[qq][h]));
+          p[qq][h] = valid[qq] ? expf(s[qq][h] - m_new) : 0.0f;
+          // A round of columns none seen yet (a mask's gap): nothing to rescale.
+          const float alpha = m_new == NEG_INF ? 1.0f : expf(m[qq][h] - m_new);
+          l[qq][h] = l[qq][h] * alpha + warp_sum(p[qq][h]);
 #pragma unroll
-            for (int qq = 0; qq < QQ; ++qq)
+          for (int j = 0; j < SPANS; ++j) for (int t = 0; t < STEP; ++t) o[qq][h][j][t] *= alpha;
+          m[qq][h] = m_new;
+        }
+      }
+    };
+    // Column i of the round's values (this lane's runs of them, from `row`) into the sums.
+    auto add_values = [&](int i, auto row) {
+      float pc[QQ][QG];
 #pragma unroll
-              for (int h = 0; h < QG; ++h) o[qq][h][j][t] += pc[qq][h] * vf;
+      for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+        for (int h = 0; h < QG; ++h) pc[qq][h] = __shfl_sync(0xffffffff, p[qq][h], i);
+#pragma unroll
+      for (int j = 0; j < SPANS; ++j) {
+        const int d0 = (j * 32 + lane) * STEP;
+        if (d0 >= D) break;
+        alignas(16) T vv[STEP];
+        row(j, vv);
+#pragma unroll
+        for (int t = 0; t < STEP; ++t) {
+          const float vf = static_cast<float>(vv[t]);
+#pragma unroll
+          for (int qq = 0; qq < QQ; ++qq)
+#pragma unroll
+            for (int h = 0; h < QG; ++h) o[qq][h][j][t] += pc[qq][h] * vf;
+        }
+      }
+    };
+
+    if constexpr (PIPELINED) {
+      // Piece n into stage n % STAGES: every lane copies its share, and commits a group
+      // for every piece (empty past the last) so that the waits below count pieces.
+      auto issue = [&](int piece) {
+        uint4* stage = my_stages + piece % STAGES * STAGE_WORDS;
+        if (piece < KEY_PIECES) {
+          for (int e = lane; e < 32 * PIECE_RUNS; e += 32) {
+            const int i = e / PIECE_RUNS, r = piece * PIECE_RUNS + e % PIECE_RUNS;
+            if (((live >> i) & 1) && r < RUNS) {
+              copy_async(stage + key_slot(i, e % PIECE_RUNS), k_row + (size_t)(c0 + i) * D + r * STEP);
+            }
           }
+        } else if (piece < PIECES) {
+          const int first_column = (piece - KEY_PIECES) * PIECE_COLUMNS;
+          for (int e = lane; e < PIECE_COLUMNS * RUNS; e += 32) {
+            const int i = first_column + e / RUNS;
+            if ((live >> i) & 1) copy_async(stage + e, v_row + (size_t)(c0 + i) * D + e % RUNS * STEP);
+          }
+        }
+        copy_commit();
+      };
+      __syncwarp();  // the last round's pieces are read
+      for (int piece = 0; piece < STAGES - 1; ++piece) issue(piece);
+      for (int piece = 0; piece < PIECES; ++piece) {
+        copy_wait<STAGES - 2>();  // this lane's copies of `piece` are in
+        __syncwarp();  // and every lane's; and every lane is done with piece - 1's stage
+        issue(piece + STAGES - 1);  // into piece - 1's stage
+        const uint4* stage = my_stages + piece % STAGES * STAGE_WORDS;
+        if (piece < KEY_PIECES) {
+          if (any) {
+#pragma unroll
+            for (int r = 0; r < PIECE_RUNS; ++r) {
+              if (piece * PIECE_RUNS + r >= RUNS) break;
+              alignas(16) T kv[STEP];
+              *reinterpret_cast<uint4*>(kv) = stage[key_slot(lane, r)];
+              sum_key_run(kv, piece * PIECE_RUNS + r);
+            }
+          }
+          if (piece == KEY_PIECES - 1) fold_scores();
+        } else {
+          const int first_column = (piece - KEY_PIECES) * PIECE_COLUMNS;
+#pragma unroll
+          for (int i = 0; i < PIECE_COLUMNS; ++i) {
+            if (!((live >> (first_column + i)) & 1)) continue;
+            add_values(first_column + i, [&](int j, T* vv) {
+              *reinterpret_cast<uint4*>(vv) = stage[i * RUNS + j * 32 + lane];
+            });
+          }
+        }
+      }
+    } else {
+      if (any) {
+        // KEY_LOADS of the key's runs loaded at once, then summed in dim order.
+        const T* k = k_row + (size_t)c * D;
+        for (int r0 = 0; r0 < RUNS; r0 += KEY_LOADS) {
+          alignas(16) T kv[KEY_LOADS][STEP];
+#pragma unroll
+          for (int r = 0; r < KEY_LOADS; ++r) {
+            if (r0 + r < RUNS) load_run<T, STEP>(k + (r0 + r) * STEP, kv[r]);
+          }
+#pragma unroll
+          for (int r = 0; r < KEY_LOADS; ++r) {
+            if (r0 + r >= RUNS) break;
+            sum_key_run(kv[r], r0 + r);
+          }
+        }
+      }
+      fold_scores();
+      // The round's seen columns in order, VALUE_LOADS columns' values loaded at once.
+      static_assert(32 % VALUE_LOADS == 0, "a round's columns in whole groups of loads");
+      for (int i0 = 0; i0 < 32; i0 += VALUE_LOADS) {
+        const unsigned seen = (live >> i0) & (0xffffffffu >> (32 - VALUE_LOADS));
+        if (seen == 0) continue;
+        alignas(16) T vv[VALUE_LOADS][SPANS][STEP];
+#pragma unroll
+        for (int i = 0; i < VALUE_LOADS; ++i) {
+          if (!((seen >> i) & 1)) continue;
+          const T* v = v_row + (size_t)(c0 + i0 + i) * D;
+#pragma unroll
+          for (int j = 0; j < SPANS; ++j) {
+            const int d0 = (j * 32 + lane) * STEP;
+            if (d0 < D) load_run<T, STEP>(v + d0, vv[i][j]);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < VALUE_LOADS; ++i) {
+          if (!((seen >> i) & 1)) continue;
+          add_values(i0 + i, [&](int j, T* out) {
+#pragma unroll
+            for (int t = 0; t < STEP; ++t) out[t] = vv[i][j][t];
+          });
         }
       }
     }
@@ -304,7 +443,8 @@ _PARTIAL = """
   // The warps of each query meet in order, one query at a time (their buffers are
   // shared by the block's queries).
   __shared__ float warp_m[QG][WARPS], warp_l[QG][WARPS];
-  __shared__ float warp_o[QG][WARPS][D];
+  float (*warp_o)[WARPS][D] = reinterpret_cast<float (*)[WARPS][D]>(pool);
+  __syncthreads();  // every warp is done with its stages, which warp_o overlays
 #pragma unroll
   for (int qq = 0; qq < QQ; ++qq) {
 #pragma unroll
@@ -633,8 +773,24 @@ def decode_attention(
     ``heads_per_block``; any divisor of the heads sharing a key/value head gives the
     same bits). Returns (slots, heads * dim) in ``q``'s dtype."""
     slots, heads, _, dim = q.shape
-    return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim,
-                      group, [("QQ", 1)])
+    group = group or heads_per_block(heads, keys.shape[1], dim)
+    template = [("QQ", 1), ("PIPELINE", pipeline_stages(group, dim, q.dtype))]
+    return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim, group, template)
+
+
+def pipeline_stages(group: int, dim: int, dtype: mx.Dtype) -> int:
+    """``PIPELINE`` where a decode block's lanes keep few sums (``FEW_SUMS``: wider ones
+    already hold the registers, and nvcc gives Qwen2.5-VL's 7 heads of 128 142 registers
+    a thread with stages against 128 without: one block an SM instead of two), its keys
+    come in 16-byte runs, and its stages fit in 48 KB of shared memory beside its queries
+    (its warps' sums overlay the stages); else 0, each lane's own loads."""
+    step = 16 // dtype.size
+    if PIPELINE < 2 or dim % step or lane_sums(group, dim, dtype) > FEW_SUMS:
+        return 0
+    runs = dim // step
+    stages = WARPS * PIPELINE * 16 * max(32 * 2, 2 * runs)  # pieces of 2 runs a key, 2 columns
+    shared = max(stages, 4 * group * WARPS * dim) + 4 * group * dim + 8 * group * WARPS
+    return PIPELINE if shared <= 48 * 1024 else 0
 
 
 # The most queries of a prefill pass a block of pass 1 takes by default. Any number gives
@@ -706,7 +862,8 @@ def prefill_attention(
     prompts, heads, length, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     queries = queries or queries_per_block(group, dim, q.dtype, length)
-    template = [("QQ", queries), ("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0)]
+    template = [("QQ", queries), ("CAUSAL", causal), ("WINDOW", (window or 0) if causal else 0),
+                ("PIPELINE", 0)]
     shift = column_shift(origin)
     inputs = [q, keys, values] + ([] if mask is None else [mask]) + [_shift_input(shift)]
     opening = "prefill" if mask is None else "masked"
