@@ -243,15 +243,11 @@ _PARTIAL = """
     stop[qq] = min(run + PER_WARP, count[qq]);
     last = max(last, stop[qq]);
   }
-  // Rounds of 32 columns, one per lane: each lane's dot products run over its own key
-  // in dim order, so no lane waits on another's until the round's max and sum. Rounds
-  // start at the run's first column whatever a query's first visible one, so a column
-  // meets the same lane whether a query's columns come as a count, a window or a mask;
-  // a column a query does not see adds nothing to it.
-  // With PIPELINE stages (2 or more), a round's keys and then its values reach shared memory as
-  // pieces of PIECE_RUNS runs of each of its 32 keys, or of PIECE_COLUMNS columns' values,
-  // by asynchronous copies (which need no registers to wait in): PIPELINE - 1 pieces in
-  // flight while the lanes sum the oldest. The warps' sums at the end overlay the stages.
+  // With PIPELINE stages (2 or more), a round's keys and then its values reach shared
+  // memory as pieces (PIECE_RUNS runs of each of its 32 keys, or PIECE_COLUMNS columns'
+  // values) by asynchronous copies, which need no registers to wait in: PIPELINE - 1
+  // pieces in flight while the lanes sum the oldest. The warps' sums at the end overlay
+  // the stages.
   constexpr int RUNS = D / STEP;  // a key's or a value row's runs
   constexpr bool PIPELINED = PIPELINE > 1 && STEP * sizeof(T) == 16;
   // MLX compiles the kernel as a plain function, so the pipelined code compiles even
