@@ -17,7 +17,8 @@
 #   pipeline  decode attention with its keys and values copied into shared memory
 #             asynchronously (cuda_attention.PIPELINE: 5 stages, and 3) against each lane
 #             loading its own: the same bits (tests/test_cuda_attention.py), 34 layers'
-#             kernels at 64 rows (ncu, twice each, alternating), and the whole compiled step
+#             kernels at 64 rows (ncu, twice each, alternating; then 128 and 256 columns
+#             a block on 4 warps, pipelined), and the whole compiled step
 #   pipeline-burst  the burst as it is and with each lane's own loads, in turned order;
 #             mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
@@ -124,6 +125,13 @@ if has pipeline; then
       python3 bench/step_kernels.py --summarize "$OUT/pipeline/attention-$stages-$run.csv" 2>/dev/null | head -2
       grep partial "$OUT/pipeline/attention-$stages-$run.csv" | grep dram__ | awk -F'","' '{print "   DRAM %", $(NF-1)}'
     done
+  done
+  for split in 128,4 256,4; do  # other splits with the pipeline: a row's bits follow the split
+    "$NCU" --profile-from-start off --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        --print-summary per-kernel --csv python3 bench/decode_kernels.py --part attention --split "$split" \
+        > "$OUT/pipeline/attention-split-$split.csv" 2> "$OUT/pipeline/attention-split-$split.err"
+    echo "== 34 layers' decode attention at 64 rows, PIPELINE=5, split $split"
+    python3 bench/step_kernels.py --summarize "$OUT/pipeline/attention-split-$split.csv" 2>/dev/null | head -2
   done
   python3 bench/decode_kernels.py --part steps --model "$MODEL" --context 480 --rounds 3 --pipeline 0 2>&1 \
       | tee "$OUT/pipeline/steps.txt" | grep "a step"
