@@ -25,10 +25,12 @@ import mlx.nn as nn
 import pytest
 
 import kernel_emulation as emulation
-from vlm_serve.engine import cuda_matmul, padded_matmul
+from vlm_serve.engine import cuda_matmul, padded_matmul, tower_gelu
 from vlm_serve.engine.decode import cuda_attention, cuda_heads, cuda_norms
 
 TOOLKIT = emulation.cuda_toolkit("bin/nvcc")
+# MLX's device headers a kernel includes, as stand-ins (MLX's CUDA library embeds its own).
+MLX_HEADERS = Path(__file__).parent / "mlx_device_headers"
 NVCC = f"{TOOLKIT}/bin/nvcc" if TOOLKIT else shutil.which("nvcc")
 pytestmark = [
     pytest.mark.skipif(NVCC is None, reason="needs nvcc (a CUDA toolkit)"),
@@ -84,7 +86,7 @@ class Launches:
 
 
 KERNEL_CACHES = [cuda_matmul._kernel, padded_matmul._pad_kernel, cuda_attention._flash_kernel,
-                 cuda_attention._kernels, cuda_norms._kernel, cuda_heads._kernel]
+                 cuda_attention._kernels, cuda_norms._kernel, cuda_heads._kernel, tower_gelu._gelu_kernel]
 
 
 @pytest.fixture
@@ -104,7 +106,7 @@ def _compile(item: tuple[str, str]) -> tuple[str, str | None]:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"{kernel}.cu"
         path.write_text(source)
-        run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "-c", str(path),
+        run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", f"-I{MLX_HEADERS}", "-c", str(path),
                               "-o", str(path.with_suffix(".o")), "-Xptxas", "-v"], capture_output=True, text=True)
     output = run.stdout + run.stderr
     if run.returncode:
@@ -176,4 +178,13 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
             heads.fused(mx.zeros((6, 16 * dim), dtype), mx.zeros((3,), mx.int32), length=2)
     assert len(launches.sources) >= 16
     assert cuda_attention.loads_in_flight(7, 128, mx.bfloat16, 1) == (1, 1)
+    _assert_all_compile(launches.sources)
+
+
+def test_the_tower_gelu_kernel_compiles(launches):
+    """The vision towers' GELU in one kernel (``tower_gelu``'s ``kernel`` form), for
+    both 16-bit types."""
+    for dtype in tower_gelu.DTYPES:
+        tower_gelu.gelu_kernel(mx.zeros((3, 97, 4304), dtype))
+    assert len(launches.sources) == 2
     _assert_all_compile(launches.sources)

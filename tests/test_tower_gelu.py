@@ -14,6 +14,8 @@ from vlm_serve.fixtures.build import cached_model
 from vlm_serve.mlx_runtime import cuda_available
 
 APPROXIMATIONS = ("none", "precise", "tanh", "fast")
+# The one-kernel form runs on CUDA only.
+KERNEL = pytest.param("kernel", marks=pytest.mark.skipif(not cuda_available(), reason="a CUDA kernel"))
 
 
 def _bits(x: mx.array) -> mx.array:
@@ -40,17 +42,32 @@ def test_the_cube_form_gives_mlx_bits_on_every_value(dtype):
     assert tower_gelu.checked_form("cube", "none", dtype) is None
 
 
-@pytest.mark.parametrize("form", ["table", "cube"])
+@pytest.mark.parametrize("dtype", tower_gelu.DTYPES, ids=str)
+@pytest.mark.skipif(not cuda_available(), reason="a CUDA kernel")
+def test_the_kernel_form_gives_mlx_bits_on_every_value(dtype):
+    """The cube form's chain in one CUDA kernel; the tanh approximation only."""
+    kernel = tower_gelu.checked_form("kernel", "precise", dtype)
+    assert kernel is not None
+    values = tower_gelu.every_value(dtype)
+    assert mx.array_equal(_bits(kernel(values)), _bits(nn.gelu_approx(values))).item()
+    assert tower_gelu.checked_form("kernel", "none", dtype) is None
+
+
+def test_the_kernel_form_is_cuda_only():
+    assert (tower_gelu.checked_form("kernel", "precise", mx.bfloat16) is not None) == cuda_available()
+
+
+@pytest.mark.parametrize("form", ["table", "cube", KERNEL])
 def test_views_and_odd_sizes_get_mlx_bits(form):
-    """An activation of a tower's width, a transposed view and a size with few factors
-    of two."""
+    """An activation of a tower's width, a transposed view, a size with few factors of
+    two, and a view that starts off 16-byte alignment."""
     f = tower_gelu.checked_form(form, "precise", mx.bfloat16)
     x = (mx.random.normal((3, 97, 4304), key=mx.random.key(1)) * 3).astype(mx.bfloat16)
-    for view in (x, x.transpose(2, 0, 1), x.reshape(-1)[: 63 * 97]):
+    for view in (x, x.transpose(2, 0, 1), x.reshape(-1)[: 63 * 97], x.reshape(-1)[3:]):
         assert mx.array_equal(f(view), nn.gelu_approx(view)).item()
 
 
-@pytest.mark.parametrize("form", ["table", "cube"])
+@pytest.mark.parametrize("form", ["table", "cube", KERNEL])
 def test_a_vision_tower_gives_the_same_features_with_it(form, monkeypatch):
     """Gemma 3's tower (the tiny fixture) with and without ``install`` (wherever MLX
     runs, not only where the form is the default): in float32 (no form: MLX's op) and in
@@ -91,5 +108,5 @@ def test_mlx_ops_leave_the_model_alone_and_a_wrong_setting_is_refused(monkeypatc
     assert tower_gelu.install(model) == 0
     assert not any(isinstance(m, tower_gelu._FasterGELU) for _, m in model.named_modules())
     monkeypatch.setattr(tower_gelu, "SETTING", "fast")
-    with pytest.raises(ValueError, match="VLM_SERVE_TOWER_GELU='fast': one of table, cube, mlx"):
+    with pytest.raises(ValueError, match="VLM_SERVE_TOWER_GELU='fast': one of table, cube, kernel, mlx"):
         tower_gelu.install(model)

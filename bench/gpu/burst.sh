@@ -12,8 +12,9 @@
 # (plain-pixels: VLM_SERVE_FAST_PIXELS=0), with float pixels handed to the worker instead
 # of uint8 values and a table (float-pixels: VLM_SERVE_PACKED_PIXELS=0), with the vision
 # tower's GELU as a lookup in a table of MLX's results, the CPU's default (gelu-table:
-# VLM_SERVE_TOWER_GELU=table) or with its cube as a float32 product (gelu-cube:
-# VLM_SERVE_TOWER_GELU=cube), with
+# VLM_SERVE_TOWER_GELU=table), with its cube as a float32 product (gelu-cube:
+# VLM_SERVE_TOWER_GELU=cube) or that chain in one kernel (gelu-kernel:
+# VLM_SERVE_TOWER_GELU=kernel), with
 # MLX's CUDA graphs on (cuda-graphs: MLX_USE_CUDA_GRAPHS=1; cuda-graphs-100: also
 # MLX_MAX_OPS_PER_BUFFER=100), with Gemma 3's
 # prefill passes on the model code's ops (model-prefill: VLM_SERVE_FUSED_PREFILL=0), with
@@ -51,6 +52,7 @@ for variant in ${VARIANTS:-default}; do
     float-pixels) settings="VLM_SERVE_PACKED_PIXELS=0" ;;
     gelu-table) settings="VLM_SERVE_TOWER_GELU=table" ;;
     gelu-cube) settings="VLM_SERVE_TOWER_GELU=cube" ;;
+    gelu-kernel) settings="VLM_SERVE_TOWER_GELU=kernel" ;;
     cuda-graphs) settings="MLX_USE_CUDA_GRAPHS=1" ;;
     cuda-graphs-100) settings="MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=100" ;;
     model-prefill) settings="VLM_SERVE_FUSED_PREFILL=0" ;;

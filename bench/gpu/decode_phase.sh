@@ -6,7 +6,8 @@
 #             one late, two late, before the next; with 2 ms of host work after each
 #             read-back; beside a thread running Python (bench/decode_step.py columns)
 #   tower     the vision tower's kernels (ncu) with each form of its GELU (MLX's ops, a
-#             table lookup, the cube as a float32 product: VLM_SERVE_TOWER_GELU)
+#             table lookup, the cube as a float32 product, that chain in one kernel:
+#             VLM_SERVE_TOWER_GELU)
 #   variants  the burst as it is, with Python's switch interval at 0.5 ms, and with MLX
 #             committing every 200 kernels; twice, in turned order; mlx-vlm once
 #   rounds    the burst twice on one engine, inputs ready, with every mark in order: what
@@ -21,6 +22,8 @@
 #             a block on 4 warps, pipelined), and the whole compiled step
 #   pipeline-burst  the burst as it is and with each lane's own loads, in turned order;
 #             mlx-vlm once
+#   gelu-burst  the burst as it is and with the tower's GELU in one kernel, in turned
+#             order; mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
 # call) and prints a summary. MODEL=DIR runs pacing, tower, rounds and budget on another
 # model (variants and candidates always run bench/gpu/burst.sh's 4B). PARTS picks (each takes minutes;
@@ -31,9 +34,10 @@
 #   OUT=DIR PARTS=candidates bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS=pipeline bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS=pipeline-burst bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS="tower gelu-burst" bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
@@ -77,7 +81,7 @@ fi
 
 if has tower; then
   mkdir -p "$OUT/tower"
-  for g in mlx table cube; do
+  for g in mlx table cube kernel; do
     VLM_SERVE_TOWER_GELU=$g "$NCU" --profile-from-start off --metrics gpu__time_duration.sum \
         --print-summary per-kernel --csv python3 bench/step_kernels.py --model "$MODEL" --tower-images 8 \
         > "$OUT/tower/gelu-$g.csv" 2> "$OUT/tower/gelu-$g.err"
@@ -139,3 +143,5 @@ if has pipeline; then
 fi
 
 if has pipeline-burst; then turned_bursts pipeline-burst "default own-loads"; fi
+
+if has gelu-burst; then turned_bursts gelu-burst "default gelu-kernel"; fi

@@ -15,9 +15,16 @@ forms:
   one compiled function. On the CPU ~1.4x faster than MLX's ops. On CUDA the default:
   on an H200 its two kernels took 24 ms of Gemma 3's tower over 16 images where MLX's
   two took 51 ms (the tower's kernels 260 ms against 287 ms).
+- ``kernel`` (CUDA only): the cube form's chain in one kernel of the engine's own, each
+  step by MLX's own device functions in the dtypes MLX computes it in (``Multiply``,
+  ``Add``, ``Tanh`` from its CUDA headers; the constants rounded by MLX as it rounds
+  them). The cube form takes two kernels, since MLX's compiler splits the chain: they
+  read and write ~10 bytes an element where one kernel needs 4 (the second alone took
+  ~300 us a launch for 8 images on an H200, its bytes ~220 us). Not timed yet, so not a
+  default: ``bench/gpu/decode_phase.sh``'s tower part times every form.
 
 By default the CPU takes ``table``, CUDA ``cube``, and Metal MLX's ops (not measured
-there); ``VLM_SERVE_TOWER_GELU=table|cube|mlx`` picks one everywhere. Each form
+there); ``VLM_SERVE_TOWER_GELU=table|cube|kernel|mlx`` picks one everywhere. Each form
 is checked at load on every value, with the values at other offsets in an array and in
 a strided view (MLX could compute an element differently there), and where any bit
 differs from MLX's op that GELU keeps MLX's ops.
@@ -28,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import mlx.core as mx
@@ -38,7 +45,7 @@ from ..mlx_runtime import cuda_available
 
 log = logging.getLogger("vlm_serve.engine")
 
-FORMS = ("table", "cube", "mlx")
+FORMS = ("table", "cube", "kernel", "mlx")
 # One of FORMS everywhere; unset: "table" on the CPU, "cube" on CUDA, "mlx" elsewhere.
 SETTING = os.environ.get("VLM_SERVE_TOWER_GELU")
 DTYPES = (mx.bfloat16, mx.float16)
@@ -65,6 +72,63 @@ def gelu_cube(x: mx.array) -> mx.array:
     return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * cube)))
 
 
+# The cube form's chain on each element, 16 bytes a thread where the input is aligned.
+_KERNEL_HEADER = """
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+"""
+_KERNEL = """
+  constexpr int PER_THREAD = 16 / sizeof(T);
+  size_t size = 1;
+  for (int d = 0; d < x_ndim; ++d) size *= x_shape[d];
+  const size_t first = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * PER_THREAD;
+  if (first >= size) return;
+  // 0.044715, sqrt(2 / pi), 1 and 0.5 as MLX rounds them to T.
+  const T cube_scale = constants[0], scale = constants[1], one = constants[2], half = constants[3];
+  auto gelu = [&](T v) {
+    const float wide = static_cast<float>(v);
+    const T cube = static_cast<T>(Multiply{}(Multiply{}(wide, wide), wide));
+    const T inner = Add{}(v, Multiply{}(cube_scale, cube));
+    return Multiply{}(Multiply{}(half, v), Add{}(one, Tanh{}(Multiply{}(scale, inner))));
+  };
+  const bool aligned = reinterpret_cast<uintptr_t>(x + first) % 16 == 0;
+  if (aligned && first + PER_THREAD <= size) {
+    alignas(16) T v[PER_THREAD];
+    *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(x + first);
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) v[i] = gelu(v[i]);
+    *reinterpret_cast<uint4*>(out + first) = *reinterpret_cast<const uint4*>(v);
+  } else {
+    for (size_t i = first; i < size && i < first + PER_THREAD; ++i) out[i] = gelu(x[i]);
+  }
+"""
+
+
+@lru_cache(maxsize=None)
+def _gelu_kernel():
+    return mx.fast.cuda_kernel(name="vlm_tower_gelu", input_names=["x", "constants"], output_names=["out"],
+                               source=_KERNEL, header=_KERNEL_HEADER)
+
+
+@lru_cache(maxsize=None)
+def _constants(dtype: mx.Dtype) -> mx.array:
+    """The cube form's scalars as MLX rounds them in its ops on ``dtype`` (a Python
+    float times an array of ``dtype``; times one, exactly). Built with the form, at load."""
+    one = mx.ones((1,), dtype)
+    constants = mx.concatenate([one * c for c in (0.044715, math.sqrt(2 / math.pi), 1, 0.5)])
+    mx.eval(constants)
+    return constants
+
+
+def gelu_kernel(x: mx.array) -> mx.array:
+    """``nn.gelu_approx`` as ``gelu_cube`` computes it, in one CUDA kernel."""
+    per_block = 256 * (16 // x.dtype.size)
+    (out,) = _gelu_kernel()(inputs=[x, _constants(x.dtype)], template=[("T", x.dtype)],
+                            grid=(-(-x.size // per_block) * 256, 1, 1), threadgroup=(256, 1, 1),
+                            output_shapes=[x.shape], output_dtypes=[x.dtype])
+    return out
+
+
 def form_here() -> str:
     if SETTING is not None:
         if SETTING not in FORMS:
@@ -78,6 +142,8 @@ def form_here() -> str:
 def _build(form: str, approx: str, dtype: mx.Dtype) -> Callable[[mx.array], mx.array] | None:
     if form == "cube":
         return gelu_cube if approx in TANH else None
+    if form == "kernel":
+        return gelu_kernel if approx in TANH and cuda_available() else None
     table = nn.GELU(approx=approx)(every_value(dtype))
     mx.eval(table)
     return partial(lookup, table)
@@ -85,12 +151,13 @@ def _build(form: str, approx: str, dtype: mx.Dtype) -> Callable[[mx.array], mx.a
 
 def _same_everywhere(f, gelu: nn.GELU, dtype: mx.Dtype) -> bool:
     """Whether ``f`` gives MLX's bits on every value, with the values past a few leading
-    elements (other vector lanes and tails) and in a strided view."""
+    elements (other vector lanes and tails), in a view that starts there, and in a
+    strided view."""
     values = every_value(dtype)
     shifted = mx.concatenate([mx.zeros((7,), dtype), values])
     strided = values.reshape(256, 256).T
     return all(mx.array_equal(f(x).view(mx.uint16), gelu(x).view(mx.uint16)).item()
-               for x in (values, shifted, strided))
+               for x in (values, shifted, shifted[3:], strided))
 
 
 def checked_form(form: str, approx: str, dtype: mx.Dtype) -> Callable[[mx.array], mx.array] | None:
