@@ -42,7 +42,6 @@ inline thread_local std::barrier<>* my_block;
 #undef __shared__
 #define __shared__ static
 #define __syncthreads() my_block->arrive_and_wait()
-#define __syncwarp(...) my_warp->bar->arrive_and_wait()
 
 template <class V>
 inline V warp_exchange(V v, int src) {
@@ -70,6 +69,7 @@ inline unsigned __ballot_sync(unsigned, bool p) {
   w.bar->arrive_and_wait();
   return mask;
 }
+inline void __syncwarp(unsigned = 0xffffffff) { my_warp->bar->arrive_and_wait(); }
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
