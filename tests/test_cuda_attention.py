@@ -78,16 +78,16 @@ def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim, dtype, monkeyp
     assert np.array_equal(outputs[0][0], outputs[1][0]) and np.array_equal(outputs[0][1], outputs[1][1])
 
 
-@pytest.mark.parametrize("dim", [80, 256])
-def test_pipelined_decode_gives_the_bits_of_each_lane_loading_its_own(dim, monkeypatch):
+@pytest.mark.parametrize("kv_heads, dim", [(4, 80), (4, 256), (8, 128)])
+def test_pipelined_decode_gives_the_bits_of_each_lane_loading_its_own(kv_heads, dim, monkeypatch):
     """Decode's keys and values copied into shared memory asynchronously, in pieces
     (``PIPELINE``), give each row the bits of each lane loading its own key and the
-    values into registers."""
+    values into registers (two query heads a block, and one)."""
     monkeypatch.setattr(cuda_attention, "PIPELINE", 5)
-    assert cuda_attention.pipeline_stages(2, dim, mx.bfloat16) == 5
+    assert cuda_attention.pipeline_stages(cuda_attention.heads_per_block(8, kv_heads, dim), dim, mx.bfloat16) == 5
     rng = np.random.default_rng(dim + 2)
     counts = mx.array([1, 33, 255, 300, 700], mx.int32)
-    q, keys, values = _store(rng, 5, 8, 4, dim, 768, mx.bfloat16)
+    q, keys, values = _store(rng, 5, 8, kv_heads, dim, 768, mx.bfloat16)
     pipelined = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)
     monkeypatch.setattr(cuda_attention, "PIPELINE", 0)
     own = cuda_attention.decode_attention(q, keys, values, counts, dim**-0.5)

@@ -194,19 +194,20 @@ def test_loads_in_flight_give_the_bits_of_one_load_at_a_time(dim):
     assert np.array_equal(several.prefill(q, k, v, window=48, queries=2), one.prefill(q, k, v, window=48, queries=2))
 
 
-@pytest.mark.parametrize("dim", [64, 80, 256])
-def test_pipelined_decode_gives_the_bits_of_each_lane_loading_its_own(dim):
+@pytest.mark.parametrize("kv_heads, dim", [(2, 64), (2, 80), (2, 256), (4, 128)])
+def test_pipelined_decode_gives_the_bits_of_each_lane_loading_its_own(kv_heads, dim):
     """Decode's keys and values through shared memory by asynchronous copies, in pieces
     (``PIPELINE`` stages), give each row the bits of each lane loading its own key and
     the values into registers: rows whose counts end inside a piece, a round of 32
-    columns and a chunk, and a row of one key; two stages and five."""
-    own = emulation.Attention(heads=4, kv_heads=2, dim=dim, pipeline=0)
+    columns and a chunk, and a row of one key; two stages and five; two query heads a
+    block and one."""
+    own = emulation.Attention(heads=4, kv_heads=kv_heads, dim=dim, pipeline=0)
     rng = np.random.default_rng(dim + 1)
     counts = np.array([1, 45, 258, 300], np.int32)
     q, k, v = _pass(rng, own, len(counts), 1, 300)
     expected = own.decode(q, k, v, counts)
     for stages in (2, 5):
-        pipelined = emulation.Attention(heads=4, kv_heads=2, dim=dim, pipeline=stages)
+        pipelined = emulation.Attention(heads=4, kv_heads=kv_heads, dim=dim, pipeline=stages)
         assert np.array_equal(pipelined.decode(q, k, v, counts), expected), f"{stages} stages"
 
 
