@@ -33,24 +33,15 @@ def test_the_table_gives_mlx_bits_on_every_value(approx, dtype):
 
 
 @pytest.mark.parametrize("dtype", tower_gelu.DTYPES, ids=str)
-def test_the_cube_form_gives_mlx_bits_on_every_value(dtype):
-    """The tanh approximation only: the other two have no cube."""
-    cube = tower_gelu.checked_form("cube", "precise", dtype)
-    assert cube is not None
+@pytest.mark.parametrize("form", ["cube", KERNEL])
+def test_the_cube_forms_give_mlx_bits_on_every_value(form, dtype):
+    """The tanh approximation only: the other two have no cube. ``kernel``: the cube
+    form's chain in one CUDA kernel."""
+    f = tower_gelu.checked_form(form, "precise", dtype)
+    assert f is not None
     values = tower_gelu.every_value(dtype)
-    assert mx.array_equal(_bits(cube(values)), _bits(nn.gelu_approx(values))).item()
-    assert tower_gelu.checked_form("cube", "none", dtype) is None
-
-
-@pytest.mark.parametrize("dtype", tower_gelu.DTYPES, ids=str)
-@pytest.mark.skipif(not cuda_available(), reason="a CUDA kernel")
-def test_the_kernel_form_gives_mlx_bits_on_every_value(dtype):
-    """The cube form's chain in one CUDA kernel; the tanh approximation only."""
-    kernel = tower_gelu.checked_form("kernel", "precise", dtype)
-    assert kernel is not None
-    values = tower_gelu.every_value(dtype)
-    assert mx.array_equal(_bits(kernel(values)), _bits(nn.gelu_approx(values))).item()
-    assert tower_gelu.checked_form("kernel", "none", dtype) is None
+    assert mx.array_equal(_bits(f(values)), _bits(nn.gelu_approx(values))).item()
+    assert tower_gelu.checked_form(form, "none", dtype) is None
 
 
 def test_the_kernel_form_is_cuda_only():
