@@ -778,10 +778,11 @@ def pipeline_stages(group: int, dim: int, dtype: mx.Dtype) -> int:
     """``PIPELINE`` where a decode block's lanes keep few sums (``FEW_SUMS``: wider ones
     already hold the registers, and nvcc gives Qwen2.5-VL's 7 heads of 128 142 registers
     a thread with stages against 128 without: one block an SM instead of two), its keys
-    come in 16-byte runs, and its stages fit in 48 KB of shared memory beside its queries
-    (its warps' sums overlay the stages); else 0, each lane's own loads."""
+    are 16-bit (the types checked on a GPU) in 16-byte runs, and its stages fit in 48 KB
+    of shared memory beside its queries (its warps' sums overlay the stages); else 0,
+    each lane's own loads."""
     step = 16 // dtype.size
-    if PIPELINE < 2 or dim % step or lane_sums(group, dim, dtype) > FEW_SUMS:
+    if PIPELINE < 2 or dtype.size != 2 or dim % step or lane_sums(group, dim, dtype) > FEW_SUMS:
         return 0
     runs = dim // step
     stages = WARPS * PIPELINE * 16 * max(32 * 2, 2 * runs)  # pieces of 2 runs a key, 2 columns
