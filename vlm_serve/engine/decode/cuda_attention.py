@@ -82,6 +82,10 @@ VALUE_LOADS = 4
 #   --pipeline N``): pass 1 4.95 ms at 5 stages against 5.34 with each lane's own loads.
 # - 0 turns it off (``VLM_SERVE_ATTENTION_PIPELINE=0``).
 PIPELINE = int(os.environ.get("VLM_SERVE_ATTENTION_PIPELINE", "5"))
+# A piece of the pipeline: this many 16-byte runs of each of a warp's 32 keys, or this
+# many columns' value rows (1 KB each for Gemma 3's heads).
+PIECE_RUNS = 2
+PIECE_COLUMNS = 2
 # A lane's weighted values (floats) up to which it takes those loads: Gemma 3's. Wider
 # sums already hold the registers the loads would take (nvcc for sm_90: Qwen2.5-VL's 7
 # heads of 128 from 128 to 142 registers a thread, one block an SM instead of two;
@@ -92,7 +96,9 @@ FEW_SUMS = 16
 # shared memory.
 GROUP_FLOATS = 1024
 
-_HEADER = """
+_HEADER = f"""
+constexpr int PIECE_RUNS = {PIECE_RUNS}, PIECE_COLUMNS = {PIECE_COLUMNS};
+""" + """
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -253,7 +259,6 @@ _PARTIAL = """
   // MLX compiles the kernel as a plain function, so the pipelined code compiles even
   // where it does not run: with at least two stages.
   constexpr int STAGES = PIPELINED ? PIPELINE : 2;
-  constexpr int PIECE_RUNS = 2, PIECE_COLUMNS = 2;
   constexpr int KEY_PIECES = (RUNS + PIECE_RUNS - 1) / PIECE_RUNS;
   constexpr int PIECES = KEY_PIECES + 32 / PIECE_COLUMNS;
   constexpr int KEY_WORDS = 32 * PIECE_RUNS, VALUE_WORDS = PIECE_COLUMNS * RUNS;  // 16 bytes each
@@ -262,6 +267,7 @@ _PARTIAL = """
   constexpr int SUM_WORDS = (QG * WARPS * D + 3) / 4;
   __shared__ uint4 pool[STAGED_WORDS > SUM_WORDS ? STAGED_WORDS : SUM_WORDS];
   uint4* my_stages = pool + (PIPELINED ? warp * STAGES * STAGE_WORDS : 0);
+  auto stage_of = [&](int piece) { return my_stages + piece % STAGES * STAGE_WORDS; };
   // Key i's runs sit in its row of the stage turned by i's place in 128 bytes, so the
   // lanes reading their own keys' runs at once hit every bank once.
   auto key_slot = [](int i, int r) { return i * PIECE_RUNS + (r ^ (i / (8 / PIECE_RUNS) % PIECE_RUNS)); };
@@ -344,7 +350,7 @@ _PARTIAL = """
       // Piece n into stage n % STAGES: every lane copies its share, and commits a group
       // for every piece (empty past the last) so that the waits below count pieces.
       auto issue = [&](int piece) {
-        uint4* stage = my_stages + piece % STAGES * STAGE_WORDS;
+        uint4* stage = stage_of(piece);
         if (piece < KEY_PIECES) {
           for (int e = lane; e < 32 * PIECE_RUNS; e += 32) {
             const int i = e / PIECE_RUNS, r = piece * PIECE_RUNS + e % PIECE_RUNS;
@@ -367,7 +373,7 @@ _PARTIAL = """
         copy_wait<STAGES - 2>();  // this lane's copies of `piece` are in
         __syncwarp();  // and every lane's; and every lane is done with piece - 1's stage
         issue(piece + STAGES - 1);  // into piece - 1's stage
-        const uint4* stage = my_stages + piece % STAGES * STAGE_WORDS;
+        const uint4* stage = stage_of(piece);
         if (piece < KEY_PIECES) {
           if (any) {
 #pragma unroll
@@ -785,7 +791,7 @@ def pipeline_stages(group: int, dim: int, dtype: mx.Dtype) -> int:
     if PIPELINE < 2 or dtype.size != 2 or dim % step or lane_sums(group, dim, dtype) > FEW_SUMS:
         return 0
     runs = dim // step
-    stages = WARPS * PIPELINE * 16 * max(32 * 2, 2 * runs)  # pieces of 2 runs a key, 2 columns
+    stages = WARPS * PIPELINE * 16 * max(32 * PIECE_RUNS, PIECE_COLUMNS * runs)
     shared = max(stages, 4 * group * WARPS * dim) + 4 * group * dim + 8 * group * WARPS
     return PIPELINE if shared <= 48 * 1024 else 0
 
