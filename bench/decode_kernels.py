@@ -97,7 +97,7 @@ def main() -> None:
     if args.pipeline is not None and args.part == "attention":
         cuda_attention.PIPELINE = args.pipeline
     if args.split:
-        cuda_attention.CHUNK, cuda_attention.WARPS = (int(n) for n in args.split.split(","))
+        cuda_attention.DECODE_CHUNK, cuda_attention.DECODE_WARPS = (int(n) for n in args.split.split(","))
     padded_matmul.PAD_KERNEL = not args.mlx_pad
     if args.part == "attention":
         attention(args.rows)

@@ -186,6 +186,7 @@ class Attention:
         group = cuda_attention.heads_per_block(heads, kv_heads, dim)
         a = cuda_attention
         common = [BF16, dim, kv_heads, group, a.CHUNK, a.WARPS]
+        decode_common = [BF16, dim, kv_heads, group, a.DECODE_CHUNK, a.DECODE_WARPS]
         key_loads, value_loads = loads or (a.KEY_LOADS, a.VALUE_LOADS)
         if pipeline is None:
             pipeline = a.pipeline_stages(group, dim, mx.bfloat16)
@@ -274,10 +275,10 @@ extern "C" void decode_rows(const void* q, int slots, const void* k, const void*
                             void* out) {{
   int ks[4] = {{slots, {kv_heads}, N, {dim}}};
   auto Q = (const {BF16}*)q; auto K = (const {BF16}*)k; auto V = (const {BF16}*)v;
-  const unsigned chunks = (N + {a.CHUNK - 1}) / {a.CHUNK};
+  const unsigned chunks = (N + {a.DECODE_CHUNK - 1}) / {a.DECODE_CHUNK};
   std::vector<float> partial((size_t)slots * {heads} * chunks * ({dim} + 2));
-  launch({{chunks, {heads // group}, (unsigned)slots}}, {{{a.WARPS * 32}, 1, 1}}, [&] {{
-    decode<{", ".join(map(str, common))}, 1, {key_loads}, {value_loads}, {pipeline}>(Q, K, ks, V, counts,
+  launch({{chunks, {heads // group}, (unsigned)slots}}, {{{a.DECODE_WARPS * 32}, 1, 1}}, [&] {{
+    decode<{", ".join(map(str, decode_common))}, 1, {key_loads}, {value_loads}, {pipeline}>(Q, K, ks, V, counts,
                                                                    partial.data()); }});
   combined(partial, slots, chunks, out);
 }}

@@ -84,13 +84,13 @@ def test_a_vision_tower_gives_the_same_features_with_it(form, monkeypatch):
         assert mx.array_equal(features, plain.vision_tower(pixels.astype(dtype), output_hidden_states=True)[0]).item()
 
 
-def test_the_default_form_is_the_table_on_the_cpu_the_cube_on_cuda_and_mlx_ops_on_metal(monkeypatch):
+def test_the_default_form_is_the_table_on_the_cpu_the_kernel_on_cuda_and_mlx_ops_on_metal(monkeypatch):
     monkeypatch.setattr(tower_gelu, "SETTING", None)
     with mx.stream(mx.cpu):
         assert tower_gelu.form_here() == "table"
     if mx.is_available(mx.gpu):
         with mx.stream(mx.gpu):
-            assert tower_gelu.form_here() == ("cube" if cuda_available() else "mlx")
+            assert tower_gelu.form_here() == ("kernel" if cuda_available() else "mlx")
 
 
 def test_mlx_ops_leave_the_model_alone_and_a_wrong_setting_is_refused(monkeypatch):

@@ -29,7 +29,10 @@
 # cube GELU and the 4096 budget (mlx-gelu-2048: VLM_SERVE_TOWER_GELU=mlx
 # VLM_SERVE_PREFILL_TOKEN_BUDGET=2048), with decode attention's lanes loading their own
 # keys and values instead of copies into shared memory (own-loads:
-# VLM_SERVE_ATTENTION_PIPELINE=0). mlx-vlm runs once after them,
+# VLM_SERVE_ATTENTION_PIPELINE=0), with decode attention's blocks of 256 columns on 8 warps
+# and the tower's GELU in the cube form, the defaults before 128 on 4 and the one-kernel
+# GELU (split-256-cube: VLM_SERVE_DECODE_SPLIT=256,8 VLM_SERVE_TOWER_GELU=cube). mlx-vlm
+# runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -61,6 +64,7 @@ for variant in ${VARIANTS:-default}; do
     budget-4096) settings="VLM_SERVE_PREFILL_TOKEN_BUDGET=4096" ;;
     mlx-gelu-2048) settings="VLM_SERVE_TOWER_GELU=mlx VLM_SERVE_PREFILL_TOKEN_BUDGET=2048" ;;
     own-loads) settings="VLM_SERVE_ATTENTION_PIPELINE=0" ;;
+    split-256-cube) settings="VLM_SERVE_DECODE_SPLIT=256,8 VLM_SERVE_TOWER_GELU=cube" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

@@ -24,6 +24,11 @@
 #             mlx-vlm once
 #   gelu-burst  the burst as it is and with the tower's GELU in one kernel, in turned
 #             order; mlx-vlm once
+#   split     decode attention's bits tests at the module's split of pass 1
+#             (cuda_attention.DECODE_CHUNK, DECODE_WARPS), then 34 layers' kernels at 64
+#             rows (ncu) at 128 columns on 4 warps, 64 on 2 and 256 on 8, twice each
+#   split-burst  the burst as it is and with 256 columns on 8 warps and the cube GELU
+#             (burst.sh's split-256-cube), in turned order; mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
 # call) and prints a summary. MODEL=DIR runs pacing, tower, rounds and budget on another
 # model (variants and candidates always run bench/gpu/burst.sh's 4B). PARTS picks (each takes minutes;
@@ -35,9 +40,10 @@
 #   OUT=DIR PARTS=pipeline bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS=pipeline-burst bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="tower gelu-burst" bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS="split split-burst" bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
@@ -145,3 +151,24 @@ fi
 if has pipeline-burst; then turned_bursts pipeline-burst "default own-loads"; fi
 
 if has gelu-burst; then turned_bursts gelu-burst "default gelu-kernel"; fi
+
+if has split; then
+  mkdir -p "$OUT/split"
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py \
+      -k "(matches_mlx and not prefill) or batched or pipelined" \
+      > "$OUT/split/tests.txt" 2>&1
+  tail -1 "$OUT/split/tests.txt"
+  for run in 1 2; do
+    for split in 128,4 64,2 256,8; do
+      name=${split/,/x}  # no commas in names that come back from a device
+      "$NCU" --profile-from-start off --metrics gpu__time_duration.sum \
+          --print-summary per-kernel --csv python3 bench/decode_kernels.py --part attention --split "$split" \
+          > "$OUT/split/attention-$name-$run.csv" 2> "$OUT/split/attention-$name-$run.err"
+      echo "== 34 layers' decode attention at 64 rows, split $split, run $run"
+      python3 bench/step_kernels.py --summarize "$OUT/split/attention-$name-$run.csv" 2>/dev/null | head -3
+    done
+  done
+  archive split
+fi
+
+if has split-burst; then turned_bursts split-burst "default split-256-cube"; fi

@@ -12,18 +12,19 @@ forms:
 - ``cube``: MLX's tanh approximation with its ``x**3`` (a ``powf``, a kernel of its
   own on CUDA, 35 of those 51 ms) computed as a float32 product, exact for a bfloat16
   input, then rounded once as MLX rounds its power; the rest as MLX writes it, all in
-  one compiled function. On the CPU ~1.4x faster than MLX's ops. On CUDA the default:
-  on an H200 its two kernels took 24 ms of Gemma 3's tower over 16 images where MLX's
-  two took 51 ms (the tower's kernels 260 ms against 287 ms).
+  one compiled function. On the CPU ~1.4x faster than MLX's ops. On an H200 its two
+  kernels took 24 ms of Gemma 3's tower over 16 images where MLX's two took 51 ms.
 - ``kernel`` (CUDA only): the cube form's chain in one kernel of the engine's own, each
   step by MLX's own device functions in the dtypes MLX computes it in (``Multiply``,
   ``Add``, ``Tanh`` from its CUDA headers; the constants rounded by MLX as it rounds
   them). The cube form takes two kernels, since MLX's compiler splits the chain: they
   read and write ~10 bytes an element where one kernel needs 4 (the second alone took
-  ~300 us a launch for 8 images on an H200, its bytes ~220 us). Not timed yet, so not a
-  default: ``bench/gpu/decode_phase.sh``'s tower part times every form.
+  ~300 us a launch for 8 images on an H200, its bytes ~220 us). On CUDA the default: on
+  an H200 it took 13 ms of Gemma 3's tower over 16 images where the cube's two kernels
+  took 24 (the tower's kernels 248 ms against 259 ms with the cube and 286 ms with MLX's
+  ops; ``bench/gpu/decode_phase.sh``'s tower part).
 
-By default the CPU takes ``table``, CUDA ``cube``, and Metal MLX's ops (not measured
+By default the CPU takes ``table``, CUDA ``kernel``, and Metal MLX's ops (not measured
 there); ``VLM_SERVE_TOWER_GELU=table|cube|kernel|mlx`` picks one everywhere. Each form
 is checked at load on every value, with the values at other offsets in an array and in
 a strided view (MLX could compute an element differently there), and where any bit
@@ -46,7 +47,7 @@ from ..mlx_runtime import cuda_available
 log = logging.getLogger("vlm_serve.engine")
 
 FORMS = ("table", "cube", "kernel", "mlx")
-# One of FORMS everywhere; unset: "table" on the CPU, "cube" on CUDA, "mlx" elsewhere.
+# One of FORMS everywhere; unset: "table" on the CPU, "kernel" on CUDA, "mlx" elsewhere.
 SETTING = os.environ.get("VLM_SERVE_TOWER_GELU")
 DTYPES = (mx.bfloat16, mx.float16)
 TANH = ("precise", "tanh")  # nn.GELU's names for the tanh approximation
@@ -136,7 +137,7 @@ def form_here() -> str:
         return SETTING
     if mx.default_device().type == mx.DeviceType.cpu:
         return "table"
-    return "cube" if cuda_available() else "mlx"
+    return "kernel" if cuda_available() else "mlx"
 
 
 def _build(form: str, approx: str, dtype: mx.Dtype) -> Callable[[mx.array], mx.array] | None:

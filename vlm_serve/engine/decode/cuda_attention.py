@@ -59,8 +59,15 @@ import mlx.core as mx
 from ...mlx_runtime import cuda_available as available  # noqa: F401 - this module's API: where these kernels run
 from ...mlx_runtime import kernel_constant
 
-CHUNK = 256  # columns per block of pass 1
-WARPS = 8  # warps per block of pass 1: CHUNK // WARPS columns each
+CHUNK = 256  # columns per block of a prefill pass's pass 1
+WARPS = 8  # warps per block of a prefill pass's pass 1: CHUNK // WARPS columns each
+# Decode's pass 1 in blocks of DECODE_CHUNK columns on DECODE_WARPS warps (env
+# ``VLM_SERVE_DECODE_SPLIT=CHUNK,WARPS``). Smaller blocks fill the SMs more evenly: at
+# 256 on 8, Gemma-3-4B's 64 rows were 1.94 waves of 3 blocks an SM. ncu, H200, 34
+# layers at 64 rows, pipelined, both passes: 4.86 ms at 128 on 4 against 5.48 at 256 on
+# 8 (``bench/decode_kernels.py --split``). A row's bits follow the split, and every row
+# of every batch gets the same one.
+DECODE_CHUNK, DECODE_WARPS = (int(n) for n in os.environ.get("VLM_SERVE_DECODE_SPLIT", "128,4").split(","))
 # Loads a lane of pass 1 has in flight at once, where its sums are few
 # (``loads_in_flight``): runs of its column's key, and columns' values of its dims (each
 # a trip to memory the lane has nothing else to do during). Any number gives the bits of
@@ -777,7 +784,8 @@ def decode_attention(
     slots, heads, _, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
     template = [("QQ", 1), ("PIPELINE", pipeline_stages(group, dim, q.dtype))]
-    return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim, group, template)
+    return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim, group, template,
+                      0, (DECODE_CHUNK, DECODE_WARPS))
 
 
 def pipeline_stages(group: int, dim: int, dtype: mx.Dtype) -> int:
@@ -791,8 +799,8 @@ def pipeline_stages(group: int, dim: int, dtype: mx.Dtype) -> int:
     if PIPELINE < 2 or dtype.size != 2 or dim % step or lane_sums(group, dim, dtype) > FEW_SUMS:
         return 0
     runs = dim // step
-    stages = WARPS * PIPELINE * 16 * max(32 * PIECE_RUNS, PIECE_COLUMNS * runs)
-    shared = max(stages, 4 * group * WARPS * dim) + 4 * group * dim + 8 * group * WARPS
+    stages = DECODE_WARPS * PIPELINE * 16 * max(32 * PIECE_RUNS, PIECE_COLUMNS * runs)
+    shared = max(stages, 4 * group * DECODE_WARPS * dim) + 4 * group * dim + 8 * group * DECODE_WARPS
     return PIPELINE if shared <= 48 * 1024 else 0
 
 
@@ -872,7 +880,7 @@ def prefill_attention(
     opening = "prefill" if mask is None else "masked"
     blocks = prompts * -(-length // queries)
     return _attention(_kernels(scale, opening), inputs, prompts * length, blocks, heads, dim,
-                      group, template, shift)
+                      group, template, shift, (CHUNK, WARPS))
 
 
 def key_origin(offset, keys: mx.array) -> int:
@@ -968,24 +976,25 @@ def flash_prefill_attention(
 
 
 def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: int,
-               group: int | None, template: list, shift: int = 0) -> mx.array:
+               group: int | None, template: list, shift: int, split: tuple[int, int]) -> mx.array:
     """Pass 1 (``blocks`` blocks of queries per chunk and group of heads) then pass 2
     over ``rows`` query rows (``inputs``: q, keys, values, ...; ``shift``: the columns
-    the chunks start before column 0)."""
+    the chunks start before column 0; ``split``: a chunk's columns and its warps)."""
     q, keys = inputs[0], inputs[1]
     kv_heads, columns = keys.shape[1], keys.shape[2]
-    chunks = max(1, -(-(columns + shift) // CHUNK))
+    chunk, warps = split
+    chunks = max(1, -(-(columns + shift) // chunk))
     group = group or heads_per_block(heads, kv_heads, dim)
     partial_kernel, combine_kernel = kernels
     key_loads, value_loads = loads_in_flight(group, dim, q.dtype, dict(template)["QQ"])
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads), ("QG", group),
-                ("CHUNK", CHUNK), ("WARPS", WARPS), *template, ("KEY_LOADS", key_loads),
+                ("CHUNK", chunk), ("WARPS", warps), *template, ("KEY_LOADS", key_loads),
                 ("VALUE_LOADS", value_loads)]
     (partial,) = partial_kernel(
         inputs=inputs,
         template=template,
-        grid=(chunks * WARPS * 32, heads // group, blocks),
-        threadgroup=(WARPS * 32, 1, 1),
+        grid=(chunks * warps * 32, heads // group, blocks),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, heads, chunks, dim + 2)],
         output_dtypes=[mx.float32],
     )
