@@ -3,8 +3,7 @@
 - Decode attention: with a lane's loads in flight (``cuda_attention.KEY_LOADS``/
   ``VALUE_LOADS``) or one at a time; with its keys and values copied into shared memory
   asynchronously (``--pipeline``: ``cuda_attention.PIPELINE``); or with its columns split
-  another way among blocks and warps (``--split``); with other launch bounds
-  (``--min-blocks``).
+  another way among blocks and warps (``--split``).
 - A padded pass's zero rows: by the engine's kernel (``padded_matmul.pad_rows``) or by
   MLX's ``pad``.
 
@@ -88,8 +87,6 @@ def main() -> None:
     p.add_argument("--pipeline", type=int, default=None,
                    help="attention: stages of asynchronous copies (0: each lane's own loads; default the "
                         "module's); steps: the third way's (default 0)")
-    p.add_argument("--min-blocks", type=int, default=None,
-                   help="attention: pipelined pass 1's launch bounds in blocks an SM (0: none; default the module's)")
     p.add_argument("--mlx-pad", action="store_true", help="pad: MLX's pad, not the engine's kernel")
     p.add_argument("--model")
     p.add_argument("--context", type=int, default=480)
@@ -99,8 +96,6 @@ def main() -> None:
         cuda_attention.KEY_LOADS, cuda_attention.VALUE_LOADS = (int(n) for n in args.loads.split(","))
     if args.pipeline is not None and args.part == "attention":
         cuda_attention.PIPELINE = args.pipeline
-    if args.min_blocks is not None:
-        cuda_attention.DECODE_MIN_BLOCKS = args.min_blocks
     if args.split:
         cuda_attention.DECODE_CHUNK, cuda_attention.DECODE_WARPS = (int(n) for n in args.split.split(","))
     padded_matmul.PAD_KERNEL = not args.mlx_pad

@@ -27,9 +27,6 @@
 #   split     decode attention's bits tests at the module's split of pass 1
 #             (cuda_attention.DECODE_CHUNK, DECODE_WARPS), then 34 layers' kernels at 64
 #             rows (ncu) at 128 columns on 4 warps, 64 on 2 and 256 on 8, twice each
-#   bounds    decode attention's bits tests at the module's launch bounds of pass 1
-#             (cuda_attention.DECODE_MIN_BLOCKS), then 34 layers' kernels at 64 rows
-#             (ncu, with registers a thread) with 8 blocks an SM asked and none, twice
 #   split-burst  the burst as it is and with 256 columns on 8 warps and the cube GELU
 #             (burst.sh's split-256-cube), in turned order; mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
@@ -44,16 +41,15 @@
 #   OUT=DIR PARTS=pipeline-burst bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="tower gelu-burst" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="split split-burst" bash bench/gpu/decode_phase.sh
-#   OUT=DIR PARTS=bounds bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst bounds}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-# The parts that run the model build it first; the kernel-only parts (split, bounds) need none.
+# The parts that run the model build it first; the kernel-only part (split) needs none.
 needs_model=(pacing tower rounds budget pipeline)
 for part in "${needs_model[@]}"; do
   if has "$part"; then
@@ -180,24 +176,6 @@ if has split; then
     done
   done
   archive split
-fi
-
-if has bounds; then
-  mkdir -p "$OUT/bounds"
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_attention.py \
-      -k "(matches_mlx and not prefill) or batched or pipelined" > "$OUT/bounds/tests.txt" 2>&1
-  tail -1 "$OUT/bounds/tests.txt"
-  for run in 1 2; do
-    for blocks in 8 0; do
-      "$NCU" --profile-from-start off --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__occupancy_limit_registers \
-          --print-summary per-kernel --csv python3 bench/decode_kernels.py --part attention --min-blocks "$blocks" \
-          > "$OUT/bounds/attention-$blocks-$run.csv" 2> "$OUT/bounds/attention-$blocks-$run.err"
-      echo "== 34 layers' decode attention at 64 rows, $blocks blocks an SM asked, run $run"
-      python3 bench/step_kernels.py --summarize "$OUT/bounds/attention-$blocks-$run.csv" 2>/dev/null | head -3
-      grep partial "$OUT/bounds/attention-$blocks-$run.csv" | grep launch__ | awk -F'","' '{print "  ", $(NF-4), $NF}'
-    done
-  done
-  archive bounds
 fi
 
 if has split-burst; then turned_bursts split-burst "default split-256-cube"; fi

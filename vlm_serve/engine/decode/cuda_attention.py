@@ -89,11 +89,6 @@ VALUE_LOADS = 4
 #   --pipeline N``): pass 1 4.95 ms at 5 stages against 5.34 with each lane's own loads.
 # - 0 turns it off (``VLM_SERVE_ATTENTION_PIPELINE=0``).
 PIPELINE = int(os.environ.get("VLM_SERVE_ATTENTION_PIPELINE", "5"))
-# Blocks of pass 1 a pipelined decode launch asks the compiler to fit on an SM (its
-# launch bounds), so that registers bind it no more. Gemma 3's heads take 82 registers
-# a thread without (6 blocks of 4 warps an SM); for 8 blocks nvcc fits them in 64
-# without spilling. 0: no bounds (``VLM_SERVE_DECODE_MIN_BLOCKS``).
-DECODE_MIN_BLOCKS = int(os.environ.get("VLM_SERVE_DECODE_MIN_BLOCKS", "8"))
 # A piece of the pipeline: this many 16-byte runs of each of a warp's 32 keys, or this
 # many columns' value rows (1 KB each for Gemma 3's heads).
 PIECE_RUNS = 2
@@ -745,23 +740,20 @@ def _flash_kernel(scale: float, masked: bool):
 
 
 @functools.cache
-def _kernels(scale: float, opening: str = "decode", bounds: tuple[int, int] | None = None):
+def _kernels(scale: float, opening: str = "decode"):
     """Pass 1 and pass 2 for one scale and one kind of row: "decode", "prefill" or
-    "masked" (a prefill pass with a mask). ``bounds``: pass 1's launch bounds (threads
-    a block, blocks an SM), or None."""
+    "masked" (a prefill pass with a mask)."""
     define, tag = kernel_constant("SCALE", scale)
     header = _HEADER + define
-    bounded = header + _launch_bounds(*bounds) if bounds else header
-    bounds_tag = f"_bounds_{bounds[0]}_{bounds[1]}" if bounds else ""
     row = _DECODE_ROW if opening == "decode" else _PREFILL_ROW.replace(
         "  VISIBLE\n", _MASK_VISIBLE if opening == "masked" else _ALL_VISIBLE)
     inputs = {"decode": ["counts"], "prefill": ["column_shift"], "masked": ["mask", "column_shift"]}[opening]
     partial = mx.fast.cuda_kernel(
-        name=f"vlm_{opening}_attention_partial_{tag}{bounds_tag}",
+        name=f"vlm_{opening}_attention_partial_{tag}",
         input_names=["q", "keys", "values", *inputs],
         output_names=["partial"],
         source=_COMMON + row + _PARTIAL,
-        header=bounded,
+        header=header,
     )
     combine = mx.fast.cuda_kernel(
         name=f"vlm_{opening}_attention_combine_{tag}",
@@ -771,15 +763,6 @@ def _kernels(scale: float, opening: str = "decode", bounds: tuple[int, int] | No
         header=header,
     )
     return partial, combine
-
-
-def _launch_bounds(threads: int, blocks: int) -> str:
-    """Launch bounds for the kernel after this header. MLX writes the kernel's signature
-    itself, after the header, so they come in through the ``__global__`` it writes."""
-    return f"""
-#undef __global__
-#define __global__ __attribute__((global)) __launch_bounds__({threads}, {blocks})
-"""
 
 
 def heads_per_block(heads: int, kv_heads: int, dim: int) -> int:
@@ -800,11 +783,9 @@ def decode_attention(
     same bits). Returns (slots, heads * dim) in ``q``'s dtype."""
     slots, heads, _, dim = q.shape
     group = group or heads_per_block(heads, keys.shape[1], dim)
-    stages = pipeline_stages(group, dim, q.dtype)
-    template = [("QQ", 1), ("PIPELINE", stages)]
-    bounds = (DECODE_WARPS * 32, DECODE_MIN_BLOCKS) if stages and DECODE_MIN_BLOCKS else None
-    return _attention(_kernels(scale, "decode", bounds), [q, keys, values, counts], slots, slots, heads, dim,
-                      group, template, 0, (DECODE_CHUNK, DECODE_WARPS))
+    template = [("QQ", 1), ("PIPELINE", pipeline_stages(group, dim, q.dtype))]
+    return _attention(_kernels(scale), [q, keys, values, counts], slots, slots, heads, dim, group, template,
+                      0, (DECODE_CHUNK, DECODE_WARPS))
 
 
 def pipeline_stages(group: int, dim: int, dtype: mx.Dtype) -> int:
