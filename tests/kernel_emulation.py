@@ -393,10 +393,10 @@ extern "C" void run(const void* qkv, int tokens, const void* q_norm, const void*
 
 
 class AddNorm:
-    """``cuda_norms``' kernel for bfloat16 rows of ``hidden``, launched as
-    ``cuda_norms.fused_add_norm`` does."""
+    """``cuda_norms``' kernel for bfloat16 rows of ``hidden`` in ``form`` (default the
+    module's), launched as ``cuda_norms.fused_add_norm`` does."""
 
-    def __init__(self, hidden: int, eps: float):
+    def __init__(self, hidden: int, eps: float, form: str | None = None):
         self.hidden, self.eps = hidden, eps
         threads = cuda_norms.THREADS
         self.lib = build(f"""#include "cuda_emulator.h"
@@ -404,7 +404,7 @@ class AddNorm:
 {kernel_constant("EPS", eps)[0]}
 template <typename T, int H, int THREADS>
 void add_norm(const T* x, const T* r, const T* w_after, const T* w_next, T* h, T* n) {{
-{cuda_norms._SOURCE}
+{cuda_norms.source(form or cuda_norms.FORM)}
 }}
 extern "C" void run(const void* x, const void* r, int rows, const void* w_after, const void* w_next, void* h,
                     void* n) {{

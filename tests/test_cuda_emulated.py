@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import kernel_emulation as emulation
+from vlm_serve.engine.decode import cuda_norms
 
 pytestmark = [
     pytest.mark.skipif(not emulation.available(), reason="needs g++ and the CUDA toolkit's headers"),
@@ -238,12 +239,25 @@ def test_attention_heads_are_normed_and_rotated_alike_in_steps_and_passes():
                 assert all(np.array_equal(a[0, :, 0], b[2, :, -1]) for a, b in zip(step, got)), "step vs pass"
 
 
-def test_add_norm_is_close_and_gives_a_row_alone_its_bits():
+def test_add_norm_forms_give_the_same_bits():
+    """Keeping a thread's elements in registers changes where they are read from, not
+    which sums the kernel adds in which order."""
+    rng = np.random.default_rng(5)
+    for hidden in (640, 1000):  # whole rounds of the block's threads, and a tail
+        x, r = _bf16(rng, 3, hidden, scale=4.0), _bf16(rng, 3, hidden)
+        w_after, w_next = (emulation.to_bf16(1.0 + 0.1 * rng.standard_normal(hidden)) for _ in range(2))
+        passes, registers = (emulation.AddNorm(hidden, 1e-6, form)(x, r, w_after, w_next)
+                             for form in ("passes", "registers"))
+        assert all(np.array_equal(a, b) for a, b in zip(passes, registers)), f"hidden {hidden}"
+
+
+@pytest.mark.parametrize("form", cuda_norms.FORMS)
+def test_add_norm_is_close_and_gives_a_row_alone_its_bits(form):
     """The residual add between two RMSNorms, a row per block (a decode step's rows or a
     pass's tokens): close to float64, and a row's bits the same alone as among others."""
     rng = np.random.default_rng(4)
     hidden = 640
-    kernel = emulation.AddNorm(hidden, 1e-6)
+    kernel = emulation.AddNorm(hidden, 1e-6, form)
     x, r = _bf16(rng, 6, hidden, scale=4.0), _bf16(rng, 6, hidden)
     w_after, w_next = (emulation.to_bf16(1.0 + 0.1 * rng.standard_normal(hidden)) for _ in range(2))
     h, n = kernel(x, r, w_after, w_next)

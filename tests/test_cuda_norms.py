@@ -46,3 +46,18 @@ def test_a_row_gets_the_same_bits_batched_as_alone(dtype):
     for row in (0, 17, 63):
         h1, n1 = cuda_norms.fused_add_norm(x[row:row + 1], r[row:row + 1], w_after, w_next, EPS)
         assert mx.array_equal(h1[0], h[row]).item() and mx.array_equal(n1[0], n[row]).item()
+
+
+@pytest.mark.parametrize("hidden", [1000, 2560])  # a tail past the block's threads, and none
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_both_forms_give_the_same_bits(hidden, dtype, monkeypatch):
+    """The form that keeps a row's elements in registers against the one that reads
+    them again each pass, as the GPU's compiler builds them."""
+    x, r, w_after, w_next = _inputs(64, hidden, dtype, hidden)
+    results = []
+    for form in cuda_norms.FORMS:
+        monkeypatch.setattr(cuda_norms, "FORM", form)
+        results.append(cuda_norms.fused_add_norm(x, r, w_after, w_next, EPS))
+    (h, n), (h2, n2) = results
+    assert mx.array_equal(h, h2).item() and mx.array_equal(n, n2).item()
+

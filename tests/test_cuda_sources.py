@@ -170,8 +170,11 @@ def test_every_attention_and_norm_kernel_compiles(launches, monkeypatch):
             for pipeline in (0, 5):  # each lane's own loads; asynchronous copies in 5 stages
                 monkeypatch.setattr(cuda_attention, "PIPELINE", pipeline)
                 cuda_attention.decode_attention(q, k, v, mx.array([5, 40, 1], mx.int32), dim**-0.5)
-        hidden = mx.zeros((3, 256), dtype)
-        cuda_norms.fused_add_norm(hidden, hidden, mx.zeros((256,), dtype), mx.zeros((256,), dtype), 1e-6)
+        for width in (256, 2560):  # the 4B's rows keep ten elements a thread in registers
+            hidden, weight = mx.zeros((3, width), dtype), mx.zeros((width,), dtype)
+            for form in cuda_norms.FORMS:
+                monkeypatch.setattr(cuda_norms, "FORM", form)
+                cuda_norms.fused_add_norm(hidden, hidden, weight, weight, 1e-6)
         for dim in (80, 256):  # threads past the head's pairs, and not
             norm = mx.zeros((dim,), dtype)
             heads = cuda_heads.AttentionHeads(8, 4, dim, norm, norm, 1e-6, nn.RoPE(dim, base=1e6, scale=0.125))

@@ -27,6 +27,12 @@
 #   split     decode attention's bits tests at the module's split of pass 1
 #             (cuda_attention.DECODE_CHUNK, DECODE_WARPS), then 34 layers' kernels at 64
 #             rows (ncu) at 128 columns on 4 warps, 64 on 2 and 256 on 8, twice each
+#   norms     the residual add between two norms in each form (cuda_norms.FORMS: reading
+#             a row's elements again each pass, or keeping them in registers): its GPU
+#             tests, then its kernels (ncu) in the compiled step at 64 rows and in a
+#             prefill pass of 4 prompts of 340 tokens, twice each, alternating
+#   norms-burst  the burst as it is and with the norms' registers form, in turned order;
+#             mlx-vlm once
 #   split-burst  the burst as it is and with 256 columns on 8 warps and the cube GELU
 #             (burst.sh's split-256-cube), in turned order; mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
@@ -41,16 +47,17 @@
 #   OUT=DIR PARTS=pipeline-burst bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="tower gelu-burst" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="split split-burst" bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS="norms norms-burst" bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst norms norms-burst}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 # The parts that run the model build it first; the kernel-only part (split) needs none.
-needs_model=(pacing tower rounds budget pipeline)
+needs_model=(pacing tower rounds budget pipeline norms)
 for part in "${needs_model[@]}"; do
   if has "$part"; then
     [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out "$MODEL" > "$OUT/build.log" 2>&1
@@ -179,3 +186,28 @@ if has split; then
 fi
 
 if has split-burst; then turned_bursts split-burst "default split-256-cube"; fi
+
+if has norms; then
+  mkdir -p "$OUT/norms"
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_norms.py > "$OUT/norms/tests.txt" 2>&1
+  tail -1 "$OUT/norms/tests.txt"
+  for run in 1 2; do
+    for form in passes registers; do
+      for what in step prefill; do
+        case $what in
+          step) args=(--batch 64 --context 600 --compiled) ;;
+          prefill) args=(--batch 4 --prefill-length 340) ;;
+        esac
+        VLM_SERVE_ADD_NORM=$form "$NCU" --profile-from-start off --metrics gpu__time_duration.sum \
+            --print-summary per-kernel --csv python3 bench/step_kernels.py --model "$MODEL" "${args[@]}" \
+            > "$OUT/norms/$what-$form-$run.csv" 2> "$OUT/norms/$what-$form-$run.err"
+        echo "== $what, VLM_SERVE_ADD_NORM=$form, run $run"
+        python3 bench/step_kernels.py --summarize "$OUT/norms/$what-$form-$run.csv" 2>/dev/null | head -1
+        python3 bench/step_kernels.py --summarize "$OUT/norms/$what-$form-$run.csv" 2>/dev/null | grep add_norm
+      done
+    done
+  done
+  archive norms
+fi
+
+if has norms-burst; then turned_bursts norms-burst "default norms-registers"; fi

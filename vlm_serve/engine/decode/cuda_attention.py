@@ -8,7 +8,8 @@ These kernels read each row's own keys only (its count of valid columns), and co
 row the same way whatever else is in the batch:
 
 - pass 1: one block per (row, group of query heads that share a key/value head, chunk
-  of ``CHUNK`` columns), so each key and value is loaded once for the group's heads.
+  of ``DECODE_CHUNK`` columns, ``CHUNK`` in a prefill pass), so each key and value is
+  loaded once for the group's heads.
   Each warp takes its fixed run of columns in rounds of 32, one column per lane: a
   lane's dot products run over its whole key in dim order (16-byte loads, the queries
   in shared memory), the warp folds the round into a running max, sum and weighted

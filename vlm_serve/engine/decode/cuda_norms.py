@@ -18,6 +18,7 @@ rounds a norm before its weight multiplies it).
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 
@@ -44,7 +45,18 @@ __device__ __forceinline__ float block_sum(float x, float* shared) {
 }
 """
 
-_SOURCE = """
+# The kernel's body in one of two forms with the same sums in the same order, so the
+# same bits (``tests/test_cuda_emulated.py``): ``passes`` reads a thread's elements of
+# the row (t, t + THREADS, ...) again in each of its three passes; ``registers`` keeps
+# them in registers from the first pass to the last, one trip to memory instead of
+# three (a decode step's 64 rows are too few blocks to hide them), for more registers
+# a thread (nvcc for sm_90: 64 at Gemma-3-4B's 2,560, 128 at 5,376). ``passes`` until a
+# GPU has timed both (``bench/gpu/decode_phase.sh``'s norms part);
+# ``VLM_SERVE_ADD_NORM=registers`` picks the other.
+FORMS = ("passes", "registers")
+FORM = os.environ.get("VLM_SERVE_ADD_NORM", "passes")
+
+_PASSES = """
   const size_t base = (size_t)blockIdx.x * H;  // one block a row: x takes a prefill pass's rows
   __shared__ float sums[THREADS / 32];
   float ss = 0.0f;
@@ -64,6 +76,51 @@ _SOURCE = """
   const float inv_h = rsqrtf(block_sum<THREADS>(ss, sums) / H + EPS);
   for (int i = threadIdx.x; i < H; i += THREADS) {
     n[base + i] = static_cast<T>(static_cast<float>(h[base + i]) * inv_h * static_cast<float>(w_next[i]));
+  }
+"""
+
+_REGISTERS = """
+  constexpr int PER = (H + THREADS - 1) / THREADS;  // a thread's elements of the row
+  const size_t base = (size_t)blockIdx.x * H;  // one block a row: x takes a prefill pass's rows
+  __shared__ float sums[THREADS / 32];
+  T xs[PER], rs[PER], after[PER], next[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * THREADS;
+    if (i < H) {
+      xs[k] = x[base + i];
+      rs[k] = r[base + i];
+      after[k] = w_after[i];
+      next[k] = w_next[i];
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    if (threadIdx.x + k * THREADS < H) {
+      const float v = static_cast<float>(rs[k]);
+      ss += v * v;
+    }
+  }
+  const float inv_r = rsqrtf(block_sum<THREADS>(ss, sums) / H + EPS);
+  ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * THREADS;
+    if (i < H) {
+      const T normed = static_cast<T>(static_cast<float>(rs[k]) * inv_r * static_cast<float>(after[k]));
+      const T sum = static_cast<T>(static_cast<float>(xs[k]) + static_cast<float>(normed));
+      h[base + i] = sum;
+      xs[k] = sum;  // h, for the last pass
+      const float v = static_cast<float>(sum);
+      ss += v * v;
+    }
+  }
+  const float inv_h = rsqrtf(block_sum<THREADS>(ss, sums) / H + EPS);
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * THREADS;
+    if (i < H) n[base + i] = static_cast<T>(static_cast<float>(xs[k]) * inv_h * static_cast<float>(next[k]));
   }
 """
 
@@ -94,14 +151,21 @@ def add_norm_by_ops(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.arra
     return h, mx.fast.rms_norm(h, w_next, eps)
 
 
+def source(form: str) -> str:
+    """The kernel's body in ``form`` (one of ``FORMS``)."""
+    if form not in FORMS:
+        raise ValueError(f"VLM_SERVE_ADD_NORM={form!r}: one of {', '.join(FORMS)}")
+    return _PASSES if form == "passes" else _REGISTERS
+
+
 @functools.cache
-def _kernel(eps: float):
+def _kernel(eps: float, form: str):
     define, tag = kernel_constant("EPS", eps)
     return mx.fast.cuda_kernel(
-        name=f"vlm_add_norm_{tag}",
+        name=f"vlm_add_norm_{form}_{tag}",
         input_names=["x", "r", "w_after", "w_next"],
         output_names=["h", "n"],
-        source=_SOURCE,
+        source=source(form),
         header=BLOCK_SUM + define,
     )
 
@@ -110,7 +174,7 @@ def fused_add_norm(x: mx.array, r: mx.array, w_after: mx.array, w_next: mx.array
                    eps: float) -> tuple[mx.array, mx.array]:
     """``add_norm`` as the kernel (CUDA only)."""
     rows, hidden = x.shape
-    return _kernel(eps)(
+    return _kernel(eps, FORM)(
         inputs=[x, r, w_after, w_next],
         template=[("T", x.dtype), ("H", hidden), ("THREADS", THREADS)],
         grid=(THREADS * rows, 1, 1),
