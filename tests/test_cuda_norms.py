@@ -60,4 +60,3 @@ def test_both_forms_give_the_same_bits(hidden, dtype, monkeypatch):
         results.append(cuda_norms.fused_add_norm(x, r, w_after, w_next, EPS))
     (h, n), (h2, n2) = results
     assert mx.array_equal(h, h2).item() and mx.array_equal(n, n2).item()
-
