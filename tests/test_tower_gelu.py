@@ -84,6 +84,34 @@ def test_a_vision_tower_gives_the_same_features_with_it(form, monkeypatch):
         assert mx.array_equal(features, plain.vision_tower(pixels.astype(dtype), output_hidden_states=True)[0]).item()
 
 
+def test_where_the_kernel_form_fails_the_cube_form_serves(monkeypatch):
+    """The kernel form failing to build (as with an MLX whose device headers differ,
+    made to happen here on any device) leaves Gemma 3's tower on the cube form, with the
+    plain tower's features."""
+    def failing(x):
+        raise RuntimeError("nvrtc: cannot open source file")
+
+    def build(form, approx, dtype):
+        return failing if form == "kernel" else original(form, approx, dtype)
+
+    original = tower_gelu._build
+    monkeypatch.setattr(tower_gelu, "_build", build)
+    monkeypatch.setattr(tower_gelu, "_forms", {})
+    monkeypatch.setattr(tower_gelu, "SETTING", "kernel")
+    plain, _ = load(str(cached_model("gemma3")))
+    model, _ = load(str(cached_model("gemma3")))
+    assert tower_gelu.install(model) > 0
+    gelus = [m for _, m in model.vision_tower.named_modules() if isinstance(m, nn.GELU)]
+    assert gelus and all(m._form == "cube" for m in gelus)
+    assert tower_gelu._forms[("kernel", gelus[0]._approx, mx.bfloat16)] is None
+    size = model.config.vision_config.image_size
+    pixels = mx.random.normal((1, size, size, 3), key=mx.random.key(4)).astype(mx.bfloat16)
+    plain.set_dtype(mx.bfloat16)
+    model.set_dtype(mx.bfloat16)
+    assert mx.array_equal(model.vision_tower(pixels, output_hidden_states=True)[0],
+                          plain.vision_tower(pixels, output_hidden_states=True)[0]).item()
+
+
 def test_the_default_form_is_the_table_on_the_cpu_the_kernel_on_cuda_and_mlx_ops_on_metal(monkeypatch):
     monkeypatch.setattr(tower_gelu, "SETTING", None)
     with mx.stream(mx.cpu):

@@ -28,7 +28,8 @@ By default the CPU takes ``table``, CUDA ``kernel``, and Metal MLX's ops (not me
 there); ``VLM_SERVE_TOWER_GELU=table|cube|kernel|mlx`` picks one everywhere. Each form
 is checked at load on every value, with the values at other offsets in an array and in
 a strided view (MLX could compute an element differently there), and where any bit
-differs from MLX's op that GELU keeps MLX's ops.
+differs from MLX's op that GELU keeps MLX's ops. A ``kernel`` form that fails to build
+or to check (an MLX whose device headers differ) gives way to ``cube`` first.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from ..mlx_runtime import cuda_available
 log = logging.getLogger("vlm_serve.engine")
 
 FORMS = ("table", "cube", "kernel", "mlx")
+# The form a GELU takes where its own form fails for every dtype.
+FALLBACK = {"kernel": "cube"}
 # One of FORMS everywhere; unset: "table" on the CPU, "kernel" on CUDA, "mlx" elsewhere.
 SETTING = os.environ.get("VLM_SERVE_TOWER_GELU")
 DTYPES = (mx.bfloat16, mx.float16)
@@ -197,9 +200,10 @@ def install(model: nn.Module) -> int:
     for _, module in model.named_modules():
         if type(module) is nn.GELU:
             # Every dtype's form is built and checked now, not inside a compiled trace.
-            forms = [checked_form(form, module._approx, dtype) for dtype in DTYPES]
-            if any(f is not None for f in forms):
-                module.__class__ = _FasterGELU
-                module._form = form
-                count += 1
+            for candidate in (form, FALLBACK.get(form)):
+                if candidate and any([checked_form(candidate, module._approx, dtype) for dtype in DTYPES]):
+                    module.__class__ = _FasterGELU
+                    module._form = candidate
+                    count += 1
+                    break
     return count
