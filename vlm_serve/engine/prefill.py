@@ -90,7 +90,9 @@ class Prefill:
         Neither where the prompt's images all lie in its cached prefix and the family
         embeds the text after them alone (``Family.text_after_cached_images``)."""
         req = self.request
-        self.input_ids = mx.array(req.input_ids, dtype=mx.int32)[None]
+        # Built as (1, L) from the host's list, not reshaped on the device: families that
+        # read the ids on the host (``QwenVL.merge``) then wait for no queued work.
+        self.input_ids = mx.array(req.input_ids[None], dtype=mx.int32)
         if self._text_after_cached_images:
             return {}, None
         features = self.family.cached_features(req.image_digests) if req.has_media else None
@@ -103,7 +105,7 @@ class Prefill:
         req = self.request
         cache, reused = self._look_up()
         text_only = self._text_after_cached_images
-        ids = self.input_ids[:, reused:] if text_only else self.input_ids
+        ids = mx.array(req.input_ids[None, reused:], dtype=mx.int32) if text_only else self.input_ids
         self.embeds, self.kwargs = self.family.embed(ids, inputs, () if text_only else req.image_digests, features)
         self.chunked = self.family.can_chunk_prefill(ids, self.embeds, self.cache, self.kwargs)
         if cache is not None:

@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES, VisionCache
 
@@ -125,8 +126,8 @@ class Family:
         inputs = dict(inputs)
         pixel_values = inputs.pop("pixel_values", None)
         mask = inputs.pop("attention_mask", None)
-        if mask is None:
-            mask = mx.ones(input_ids.shape, mx.int32)
+        if mask is None:  # on the host, so that reading it back waits for nothing
+            mask = mx.array(np.ones(input_ids.shape, np.int32))
         if features is None and pixel_values is not None and image_key:
             features = self.vision_cache.get(image_key)
             if features is None:

@@ -49,6 +49,33 @@ class QwenVL(Family):
         ends = list(itertools.accumulate(round(p * per_patch) for p in patches))
         return [features[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
+    def merge(self, input_ids, pixel_values, mask, inputs, features=None):
+        """``get_input_embeddings`` without reading anything back from the device.
+
+        The model finds its image rows and its mRoPE positions with ``.item()`` and
+        ``.tolist()`` on arrays the device computes, and each such read waits for every
+        tower call and pass queued before it: a burst's prompts then embed one at a
+        time behind the device. Here the positions come from the prompt's token ids on
+        the host (``rope_index``, the model's arithmetic) and each image token takes its
+        feature row by a gather. Same values: positions are integers, and the model's
+        merge only selects rows, as this does."""
+        if features is None and pixel_values is not None:  # the tower runs in the model code
+            return super().merge(input_ids, pixel_values, mask, inputs, features)
+        tokens, keep = np.asarray(input_ids), np.asarray(mask)
+        embeds = self.model.language_model.model.embed_tokens(input_ids)
+        if features is None:  # text alone
+            positions = np.cumsum(keep.astype(np.int64), axis=-1) - 1
+            positions = np.where(keep == 0, 1, positions)
+            deltas = positions.max(axis=-1, keepdims=True) + 1 - keep.shape[-1]
+            return embeds, {**inputs, "position_ids": mx.array(positions), "rope_deltas": mx.array(deltas)}
+        config = self.model.config
+        grids = {name: np.asarray(inputs[name]) if inputs.get(name) is not None else None
+                 for name in ("image_grid_thw", "video_grid_thw")}
+        positions, deltas = rope_index(tokens, keep, grids["image_grid_thw"], grids["video_grid_thw"], config)
+        merged = _merged(embeds, features, tokens, config.image_token_id, config.video_token_id)
+        return merged, {**inputs, "position_ids": mx.array(positions, dtype=input_ids.dtype),
+                        "rope_deltas": mx.array(np.array(deltas, np.int32).reshape(-1, 1))}
+
     def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
         # The chunk's own positions (the model would slice them by the cache offset
         # itself): prompts of different lengths then share a pass's arguments.
@@ -59,7 +86,9 @@ class QwenVL(Family):
 
     def row_state(self, prefill_kwargs: dict, last_output) -> dict[str, Any]:
         delta = prefill_kwargs.get("rope_deltas")
-        return {"rope_delta": int(delta.reshape(-1)[0].item()) if delta is not None else 0}
+        # Through NumPy: a device op on the deltas (even a reshape) would be read back
+        # only after all the work queued before it.
+        return {"rope_delta": int(np.asarray(delta).reshape(-1)[0]) if delta is not None else 0}
 
     def decode_kwargs(self, cache: list, rows: list[dict[str, Any]]) -> dict:
         offsets = mx.maximum(cache[0].offset, 0)
@@ -89,6 +118,8 @@ class Qwen3VL(QwenVL):
 
     def encode_images(self, input_ids, pixel_values, inputs):
         return None
+
+    merge = Family.merge  # its merge and positions are the model code's (DeepStack)
 
     def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
         kwargs = super().chunk_kwargs(kwargs, start, stop)
@@ -124,6 +155,77 @@ class Qwen3VL(QwenVL):
             per_layer = zip(*(kw["deepstack_visual_embeds"] for kw in per_row))
             out["deepstack_visual_embeds"] = [mx.concatenate(layer) for layer in per_layer]
         return out
+
+
+def _merged(embeds: mx.array, features: mx.array, tokens: np.ndarray, image_token: int,
+            video_token: int) -> mx.array:
+    """Each row's image tokens (or where it has none, video tokens) take its next feature
+    rows in order, as the model's ``merge_input_ids_with_image_features``."""
+    positions = tokens == image_token
+    if not positions.any():
+        positions = tokens == video_token
+    rows, start = [], 0
+    for row, mask in enumerate(positions):
+        count = int(mask.sum())
+        if count == 0:
+            rows.append(embeds[row])
+            continue
+        if features.shape[0] < start + count:
+            raise ValueError(f"Number of image token positions ({count}) does not match number of image "
+                             f"features ({max(0, features.shape[0] - start)}) for batch {row}")
+        index = np.where(mask, np.cumsum(mask) - 1, 0) + start
+        rows.append(mx.where(mx.array(mask)[:, None], features[mx.array(index, mx.int32)], embeds[row]))
+        start += count
+    return mx.stack(rows)
+
+
+def rope_index(tokens: np.ndarray, keep: np.ndarray, image_grid: np.ndarray | None,
+               video_grid: np.ndarray | None, config) -> tuple[np.ndarray, list[int]]:
+    """The 3-axis positions (3, rows, L) and each row's ``rope_delta`` of Qwen2-VL's
+    ``get_rope_index``, on the host: the model's arithmetic on the token ids, the mask
+    (``keep``: 1 for a real token) and the images' and videos' (t, h, w) grids."""
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    image_token, video_token = config.image_token_id, config.video_token_id
+    start_token = config.vision_start_token_id
+    positions = np.ones((3, *tokens.shape), np.int64)
+    deltas, image_index, video_index = [], 0, 0
+    for row, (ids, row_keep) in enumerate(zip(tokens.tolist(), keep.tolist())):
+        kept = [t for t, k in zip(ids, row_keep) if k == 1]
+        after_starts = [kept[i + 1] for i, t in enumerate(kept[:-1]) if t == start_token]
+        images, videos = after_starts.count(image_token), after_starts.count(video_token)
+        parts, st = [], 0
+
+        def next_start():
+            return int(parts[-1].max()) + 1 if parts else 0
+
+        for _ in range(images + videos):
+            ed_image = kept.index(image_token, st) if image_token in kept and images > 0 else len(kept) + 1
+            ed_video = kept.index(video_token, st) if video_token in kept and videos > 0 else len(kept) + 1
+            if ed_image < ed_video:
+                t, h, w = (int(v) for v in image_grid[image_index])
+                image_index, images, ed = image_index + 1, images - 1, ed_image
+            else:
+                t, h, w = (int(v) for v in video_grid[video_index])
+                video_index, videos, ed = video_index + 1, videos - 1, ed_video
+            h, w = h // merge, w // merge
+            text, base = ed - st, next_start()
+            parts.append(np.broadcast_to(np.arange(text), (3, text)) + base)
+            grid = np.stack([np.repeat(np.arange(t), h * w), np.tile(np.repeat(np.arange(h), w), t),
+                             np.tile(np.arange(w), t * h)])
+            parts.append(grid + text + base)
+            st = ed + t * h * w
+        if st < len(kept):
+            text, base = len(kept) - st, next_start()
+            parts.append(np.broadcast_to(np.arange(text), (3, text)) + base)
+        if not parts:
+            deltas.append(0)
+            continue
+        compact = np.concatenate(parts, axis=1)
+        columns = np.flatnonzero(np.asarray(row_keep) == 1)
+        positions[:, row, columns] = compact
+        deltas.append(int(compact.max()) + 1 - len(kept))
+    return positions, deltas
 
 
 def skip_empty_windows(vision_tower) -> None:
