@@ -42,6 +42,35 @@ def model_path():
     return lambda arch: cached_model(arch)
 
 
+def time_behind_queued_work(call) -> tuple[float, float]:
+    """(seconds ``call()`` took, seconds of device work queued just before it): a chain of
+    matmuls grown until it takes the device (here the CPU) at least a second, queued
+    with ``mx.async_eval``. A ``call`` that reads anything back from the device waits
+    for all of it; one that does not returns while it still runs."""
+    import mlx.core as mx
+
+    def work(size: int) -> mx.array:
+        x = mx.random.normal((size, size), key=mx.random.key(0))
+        y = x
+        for _ in range(8):
+            y = (y @ x) / size
+        return y
+
+    size, took = 256, 0.0
+    while took < 1.0:
+        size *= 2
+        start = time.perf_counter()
+        mx.eval(work(size))
+        took = time.perf_counter() - start
+    queued = work(size)
+    mx.async_eval(queued)
+    start = time.perf_counter()
+    call()
+    spent = time.perf_counter() - start
+    mx.eval(queued)
+    return spent, took
+
+
 def wait_until(condition, timeout: float = 10.0) -> None:
     """Poll ``condition()`` until it holds; fail after ``timeout`` seconds. For state the
     worker thread settles after a request's last event (a finished row leaves the batch

@@ -8,8 +8,6 @@ not wait for work queued before it."""
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from vlm_serve.engine.types import SamplingParams
 from vlm_serve.preprocess.media import MediaPolicy
 from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-from conftest import make_image
+from conftest import make_image, time_behind_queued_work
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl-float32", "qwen2_5_vl-bfloat16", "qwen2_vl-float32"])
@@ -103,34 +101,18 @@ def test_a_masked_out_token_gets_the_model_codes_positions(loaded):
 
 
 def test_embedding_a_prompt_waits_for_no_queued_work(loaded):
-    """Work queued on the device before a prompt is embedded (here: a chain of matmuls
-    that takes the CPU at least a second) is still running when the embedding is built
-    and the row's rope delta read: nothing was read back from the device. The model
-    code's merge waits for all of it."""
+    """The embedding is built and the row's rope delta read while work queued before
+    them still runs: nothing was read back from the device. The model code's merge
+    waits for all of it."""
     family = loaded.family
     ids, inputs = _inputs(loaded, [make_image(56, 56, 7)])
     features = family.encode_images(ids, inputs["pixel_values"], inputs)
     rest = _without_pixels(inputs)
     mx.eval(features, family.embed(ids, rest, features=features)[0])  # first use's setup, not timed
 
-    def slow_work(size: int) -> mx.array:
-        x = mx.random.normal((size, size), key=mx.random.key(0))
-        y = x
-        for _ in range(8):
-            y = (y @ x) / size
-        return y
+    def embed():
+        _, kwargs = family.embed(mx.array(np.asarray(ids)), rest, features=features)
+        family.row_state(kwargs, None)  # the row's rope delta, read when it joins the batch
 
-    size, took = 256, 0.0
-    while took < 1.0:  # grow the queued work until it takes a second on this machine
-        size *= 2
-        start = time.perf_counter()
-        mx.eval(slow_work(size))
-        took = time.perf_counter() - start
-    queued = slow_work(size)
-    mx.async_eval(queued)
-    start = time.perf_counter()
-    _, kwargs = family.embed(mx.array(np.asarray(ids)), rest, features=features)
-    family.row_state(kwargs, None)  # the row's rope delta, read when it joins the batch
-    embedding = time.perf_counter() - start
-    mx.eval(queued)
-    assert embedding < took / 4, f"embedding took {embedding:.2f} s behind {took:.2f} s of queued work"
+    spent, queued = time_behind_queued_work(embed)
+    assert spent < queued / 4, f"embedding took {spent:.2f} s behind {queued:.2f} s of queued work"

@@ -4,8 +4,12 @@ step (Ministral 3 text models: its subclass)."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+import numpy as np
+
 from ..decode.llama import LlamaDecoder
 from ..decode.ministral3 import Ministral3Decoder
+from . import host_merge
 from .base import Family
 
 
@@ -22,6 +26,10 @@ class LlamaText(Family):
     # Vision-side inputs get_input_embeddings passes on; the text model reads none.
     prefill_batch_axes = {"pixel_attention_mask": None, "num_patches_list": None,
                           "image_token_index": None}
+
+    def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
+        super().__init__(model, *cache_bounds, **kwargs)
+        host_merge.install(model)  # LLaVA, InternVL, Mistral 3: image positions from the host's ids
 
 
 class Mistral3(LlamaText):
@@ -47,6 +55,16 @@ class Mistral3(LlamaText):
             # layers before the step fuses them (``families.family_for``).
             self.model_code_inexact = (f"its {text} text model scales queries by position, "
                                        "and mlx-vlm's code gives a batch the first row's")
+
+    def merge(self, input_ids, pixel_values, mask, inputs, features=None):
+        # The image sizes as host numbers: the tower and the patch merger read each one
+        # with ``.item()``/``.tolist()``, which would wait for all queued device work.
+        sizes = inputs.get("image_sizes")
+        if isinstance(sizes, mx.array):
+            host = [tuple(int(v) for v in size) for size in np.asarray(sizes)]
+            embeds, kwargs = super().merge(input_ids, pixel_values, mask, {**inputs, "image_sizes": host}, features)
+            return embeds, {**kwargs, "image_sizes": sizes}
+        return super().merge(input_ids, pixel_values, mask, inputs, features)
 
 
 # Text model class -> its engine decode step.

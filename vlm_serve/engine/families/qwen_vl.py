@@ -15,6 +15,7 @@ import numpy as np
 
 from ..decode.qwen2 import Qwen2Decoder
 from .base import Family
+from .host_merge import gathered
 
 
 class QwenVL(Family):
@@ -72,7 +73,7 @@ class QwenVL(Family):
         grids = {name: np.asarray(inputs[name]) if inputs.get(name) is not None else None
                  for name in ("image_grid_thw", "video_grid_thw")}
         positions, deltas = rope_index(tokens, keep, grids["image_grid_thw"], grids["video_grid_thw"], config)
-        merged = _merged(embeds, features, tokens, config.image_token_id, config.video_token_id)
+        merged = gathered(embeds, features, tokens, config.image_token_id, config.video_token_id)
         return merged, {**inputs, "position_ids": mx.array(positions, dtype=input_ids.dtype),
                         "rope_deltas": mx.array(np.array(deltas, np.int32).reshape(-1, 1))}
 
@@ -155,28 +156,6 @@ class Qwen3VL(QwenVL):
             per_layer = zip(*(kw["deepstack_visual_embeds"] for kw in per_row))
             out["deepstack_visual_embeds"] = [mx.concatenate(layer) for layer in per_layer]
         return out
-
-
-def _merged(embeds: mx.array, features: mx.array, tokens: np.ndarray, image_token: int,
-            video_token: int) -> mx.array:
-    """Each row's image tokens (or where it has none, video tokens) take its next feature
-    rows in order, as the model's ``merge_input_ids_with_image_features``."""
-    positions = tokens == image_token
-    if not positions.any():
-        positions = tokens == video_token
-    rows, start = [], 0
-    for row, mask in enumerate(positions):
-        count = int(mask.sum())
-        if count == 0:
-            rows.append(embeds[row])
-            continue
-        if features.shape[0] < start + count:
-            raise ValueError(f"Number of image token positions ({count}) does not match number of image "
-                             f"features ({max(0, features.shape[0] - start)}) for batch {row}")
-        index = np.where(mask, np.cumsum(mask) - 1, 0) + start
-        rows.append(mx.where(mx.array(mask)[:, None], features[mx.array(index, mx.int32)], embeds[row]))
-        start += count
-    return mx.stack(rows)
 
 
 def rope_index(tokens: np.ndarray, keep: np.ndarray, image_grid: np.ndarray | None,
