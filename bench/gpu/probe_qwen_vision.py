@@ -86,9 +86,9 @@ def run_probe(kind: str, wdtype: str, pdtype: str, size: int) -> None:
         trace(model, pixels, mx.array([[1, grid, grid]]))
         return
     if kind == "tower-unique":
-        from vlm_serve.engine.families.qwen_vl import skip_empty_windows
+        from vlm_serve.engine.families import qwen_tower
 
-        skip_empty_windows(model)
+        qwen_tower.install(model)  # windows without repeated bounds, indices on the host
     grid_thw = mx.array([[1, grid, grid]])
     y = model(pixels, grid_thw, output_hidden_states=False)
     mx.eval(y)

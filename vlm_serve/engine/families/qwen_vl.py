@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.qwen2 import Qwen2Decoder
+from . import qwen_tower
 from .base import Family
 from .host_merge import gathered
 
@@ -28,8 +29,8 @@ class QwenVL(Family):
 
     def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
         super().__init__(model, *cache_bounds, **kwargs)
-        if hasattr(model.vision_tower, "get_window_index"):
-            skip_empty_windows(model.vision_tower)
+        if type(self) is QwenVL:  # Qwen3-VL's tower is another
+            qwen_tower.install(model.vision_tower)
 
     def encode_images(self, input_ids, pixel_values, inputs):
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
@@ -40,8 +41,10 @@ class QwenVL(Family):
     def stack_image_inputs(self, inputs):
         if any(set(i) != {"pixel_values", "image_grid_thw"} for i in inputs):
             return None
-        # The tower takes every image's patches in one sequence, split by the grids.
-        return {k: mx.concatenate([i[k] for i in inputs]) for k in ("pixel_values", "image_grid_thw")}
+        # The tower takes every image's patches in one sequence, split by the grids (on
+        # the host, where the tower reads them: ``qwen_tower``).
+        return {"pixel_values": mx.concatenate([i["pixel_values"] for i in inputs]),
+                "image_grid_thw": mx.array(np.concatenate([np.asarray(i["image_grid_thw"]) for i in inputs]))}
 
     def split_image_features(self, features, inputs):
         # Each image's patches merge into a fixed share of feature rows.
@@ -205,22 +208,3 @@ def rope_index(tokens: np.ndarray, keep: np.ndarray, image_grid: np.ndarray | No
         positions[:, row, columns] = compact
         deltas.append(int(compact.max()) + 1 - len(kept))
     return positions, deltas
-
-
-def skip_empty_windows(vision_tower) -> None:
-    """Qwen2.5-VL's window attention, without zero-length windows.
-
-    ``get_window_index`` lists a window boundary once per padded window, so the same
-    offset repeats; mlx-vlm means to drop the repeats, but compares ``mx.array`` scalars
-    by identity, so none are dropped and attention runs on empty windows. On the CPU an
-    empty window is harmless; with bf16 on CUDA it ends the process with SIGFPE. Dropping
-    the repeats here changes no value: an empty window attends to nothing.
-    """
-    window_index = vision_tower.get_window_index
-
-    def get_window_index(grid_thw):
-        index, bounds = window_index(grid_thw)
-        unique = sorted(set(bounds.tolist()))
-        return index, mx.array(unique, dtype=bounds.dtype)
-
-    vision_tower.get_window_index = get_window_index

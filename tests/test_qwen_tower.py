@@ -1,0 +1,71 @@
+"""Qwen2-VL's and Qwen2.5-VL's vision towers with their index arithmetic on the host
+(``families/qwen_tower.py``): the features equal the model code's (a plain copy of the
+model, as mlx-vlm loads it) to the bit, for one image, for images of different sizes in
+one call, and for a grid that fills its windows exactly (where the model code meets
+empty windows); and a tower call waits for no work queued before it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vlm_serve.engine.families import family_for, qwen_tower
+from vlm_serve.engine.loader import load
+from vlm_serve.engine.model_inputs import model_arrays
+from vlm_serve.engine.types import SamplingParams
+from vlm_serve.preprocess.media import MediaPolicy
+from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+from conftest import make_image, time_behind_queued_work
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl-float32", "qwen2_5_vl-bfloat16", "qwen2_vl-float32"])
+def models(request, model_path):
+    """(the engine's copy, with its family, and mlx-vlm's own copy) of one model."""
+    arch, dtype = request.param.split("-")
+    loaded, plain = load(str(model_path(arch))), load(str(model_path(arch))).model
+    if dtype == "bfloat16":
+        loaded.model.set_dtype(mx.bfloat16)
+        plain.set_dtype(mx.bfloat16)
+    loaded.family = family_for(loaded.model)
+    return loaded, plain
+
+
+def _images(loaded, images: list) -> dict:
+    """The pixels and grids of ``images``, each prepared as a request's, in one call."""
+    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
+    per_image = []
+    for image in images:
+        prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
+        inputs = model_arrays(prepare_prompt(ctx, "tower", prompt, SamplingParams(max_tokens=1), [image]))
+        per_image.append({k: inputs[k] for k in ("pixel_values", "image_grid_thw")})
+    return loaded.family.stack_image_inputs(per_image)
+
+
+def _plain_tower(plain, inputs: dict) -> mx.array:
+    dtype = plain.vision_tower.patch_embed.proj.weight.dtype
+    return plain.vision_tower(inputs["pixel_values"].astype(dtype), inputs["image_grid_thw"], output_hidden_states=False)
+
+
+@pytest.mark.parametrize("sizes", [[(56, 84)], [(56, 56), (112, 84)], [(224, 224)]])
+def test_the_tower_gives_the_model_codes_features(models, sizes):
+    loaded, plain = models
+    inputs = _images(loaded, [make_image(w, h, i) for i, (w, h) in enumerate(sizes)])
+    assert isinstance(loaded.model.vision_tower, qwen_tower.HostIndexedTower)
+    features = loaded.family.encode_images(None, inputs["pixel_values"], inputs)
+    expected = _plain_tower(plain, inputs)
+    assert features.dtype == expected.dtype and features.shape == expected.shape
+    assert mx.array_equal(features, expected).item()
+
+
+def test_a_tower_call_waits_for_no_queued_work(models):
+    """The model code's tower reads its bounds back in every layer, each read waiting
+    for all the work queued before it."""
+    loaded, _ = models
+    inputs = _images(loaded, [make_image(56, 84, 5), make_image(84, 56, 6)])
+    mx.eval(loaded.family.encode_images(None, inputs["pixel_values"], inputs))  # first use's setup
+    grids = np.asarray(inputs["image_grid_thw"])
+    spent, queued = time_behind_queued_work(
+        lambda: loaded.family.encode_images(None, inputs["pixel_values"], {"image_grid_thw": mx.array(grids)}))
+    assert spent < queued / 4, f"the tower call took {spent:.2f} s behind {queued:.2f} s of queued work"
