@@ -96,10 +96,19 @@ class HostIndexedTower:
         return hidden_states[mx.array(np.argsort(order)), :]
 
 
-def install(tower) -> None:
-    """Give ``tower`` (a Qwen2-VL or Qwen2.5-VL ``VisionModel``) the host's index
-    arithmetic, on this instance. Its attention reads the bounds it is given with
-    ``[1:-1].tolist()``, which a NumPy array answers on the host."""
+# The towers this arithmetic is theirs of (Qwen3-VL's, and others, are not).
+TOWERS = ("mlx_vlm.models.qwen2_vl.vision", "mlx_vlm.models.qwen2_5_vl.vision")
+
+
+def install(tower) -> bool:
+    """Give ``tower``, where it is a Qwen2-VL or Qwen2.5-VL ``VisionModel``, the host's
+    index arithmetic, on this instance; returns whether it has it. Its attention reads
+    the bounds it is given with ``[1:-1].tolist()``, which a NumPy array answers on the
+    host."""
     cls = type(tower)
-    if not issubclass(cls, HostIndexedTower):
-        tower.__class__ = type(cls.__name__, (HostIndexedTower, cls), {})
+    if issubclass(cls, HostIndexedTower):
+        return True
+    if cls.__module__ not in TOWERS:
+        return False
+    tower.__class__ = type(cls.__name__, (HostIndexedTower, cls), {})
+    return True

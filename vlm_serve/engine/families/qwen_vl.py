@@ -29,8 +29,7 @@ class QwenVL(Family):
 
     def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
         super().__init__(model, *cache_bounds, **kwargs)
-        if type(self) is QwenVL:  # Qwen3-VL's tower is another
-            qwen_tower.install(model.vision_tower)
+        qwen_tower.install(model.vision_tower)  # Qwen2-VL's and Qwen2.5-VL's (not Qwen3-VL's)
 
     def encode_images(self, input_ids, pixel_values, inputs):
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
