@@ -42,6 +42,23 @@ def model_path():
     return lambda arch: cached_model(arch)
 
 
+def prompt_inputs(loaded, images: list, text: str = "What is in these?") -> tuple:
+    """(ids (1, L) int32, the model's inputs) of one user turn of ``images`` then
+    ``text``, prepared as the server prepares a request for ``loaded``'s model."""
+    import mlx.core as mx
+
+    from vlm_serve.engine.model_inputs import model_arrays
+    from vlm_serve.engine.types import SamplingParams
+    from vlm_serve.preprocess.media import MediaPolicy
+    from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
+
+    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    prompt = render_chat(ctx, [{"role": "user", "content": content}])
+    prepared = prepare_prompt(ctx, "prompt", prompt, SamplingParams(max_tokens=1), images)
+    return mx.array(prepared.input_ids[None], mx.int32), model_arrays(prepared)
+
+
 def time_behind_queued_work(call) -> tuple[float, float]:
     """(seconds ``call()`` took, seconds of device work queued just before it): a chain of
     matmuls grown until it takes the device (here the CPU) at least a second, queued

@@ -12,12 +12,8 @@ import pytest
 
 from vlm_serve.engine.families import family_for, host_merge
 from vlm_serve.engine.loader import load
-from vlm_serve.engine.model_inputs import model_arrays
-from vlm_serve.engine.types import SamplingParams
-from vlm_serve.preprocess.media import MediaPolicy
-from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-from conftest import make_image, time_behind_queued_work
+from conftest import make_image, prompt_inputs, time_behind_queued_work
 
 ARCHS = ["llava", "internvl_chat", "mistral3"]
 
@@ -30,17 +26,9 @@ def models(request, model_path):
     return loaded, load(str(model_path(request.param))).model
 
 
-def _inputs(loaded, images: list) -> tuple[mx.array, dict]:
-    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "What is in this?"}]
-    prompt = render_chat(ctx, [{"role": "user", "content": content}])
-    prepared = prepare_prompt(ctx, "merge", prompt, SamplingParams(max_tokens=1), images)
-    return mx.array(prepared.input_ids[None], mx.int32), model_arrays(prepared)
-
-
 def test_the_merge_equals_the_model_code(models):
     loaded, plain = models
-    ids, inputs = _inputs(loaded, [make_image(64, 48, 1)])
+    ids, inputs = prompt_inputs(loaded, [make_image(64, 48, 1)])
     embeds, _ = loaded.family.embed(ids, inputs)
     rest = dict(inputs)
     pixels, mask = rest.pop("pixel_values"), rest.pop("attention_mask", None)
@@ -64,7 +52,7 @@ def test_pixtrals_block_mask_equals_its_own():
 def test_embedding_a_prompt_waits_for_no_queued_work(models):
     """The model code's merge waits for all the work queued before it."""
     loaded, _ = models
-    ids, inputs = _inputs(loaded, [make_image(64, 48, 2)])
+    ids, inputs = prompt_inputs(loaded, [make_image(64, 48, 2)])
     mx.eval(loaded.family.embed(ids, inputs)[0])  # first use's setup, not timed
     spent, queued = time_behind_queued_work(lambda: loaded.family.embed(mx.array(np.asarray(ids)), inputs))
     assert spent < queued / 4, f"embedding took {spent:.2f} s behind {queued:.2f} s of queued work"

@@ -10,13 +10,9 @@ import mlx.core as mx
 import pytest
 
 from vlm_serve.engine.families import family_for
-from vlm_serve.engine.model_inputs import model_arrays
 from vlm_serve.engine.loader import load
-from vlm_serve.engine.types import SamplingParams
-from vlm_serve.preprocess.media import MediaPolicy
-from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-from conftest import make_image
+from conftest import make_image, prompt_inputs
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -26,15 +22,6 @@ def loaded(request, model_path):
         loaded.model.set_dtype(mx.bfloat16)
     loaded.family = family_for(loaded.model)
     return loaded
-
-
-def _inputs(loaded, images: list) -> tuple[mx.array, dict]:
-    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "What is in these?"}]
-    prompt = render_chat(ctx, [{"role": "user", "content": content}])
-    prepared = prepare_prompt(ctx, "merge", prompt, SamplingParams(max_tokens=1), images)
-    inputs = model_arrays(prepared)
-    return mx.array(prepared.input_ids, mx.int32)[None], inputs
 
 
 def _model_code(loaded, ids: mx.array, inputs: dict) -> tuple[mx.array, mx.array]:
@@ -54,7 +41,7 @@ def _assert_same(got: tuple[mx.array, dict], expected: tuple[mx.array, mx.array]
 @pytest.mark.parametrize("count", [1, 2])
 def test_the_merge_equals_the_model_code(loaded, count):
     family = loaded.family
-    ids, inputs = _inputs(loaded, [make_image(64, 48, seed) for seed in range(count)])
+    ids, inputs = prompt_inputs(loaded, [make_image(64, 48, seed) for seed in range(count)])
     expected = _model_code(loaded, ids, inputs)
     # The family runs the tower itself (and keeps the features under the key)...
     _assert_same(family.embed(ids, inputs, image_key=(f"merge-{count}",)), expected)
@@ -66,7 +53,7 @@ def test_the_merge_equals_the_model_code(loaded, count):
 
 def test_features_of_a_shared_tower_call_merge_as_the_model_code(loaded):
     family = loaded.family
-    prompts = [_inputs(loaded, [make_image(40, 56, seed)]) for seed in (3, 4)]
+    prompts = [prompt_inputs(loaded, [make_image(40, 56, seed)]) for seed in (3, 4)]
     stacked = mx.concatenate([inputs["pixel_values"] for _, inputs in prompts])
     features = family.split_image_features(
         family.encode_images(prompts[0][0], stacked, {}), [inputs for _, inputs in prompts])
@@ -77,7 +64,7 @@ def test_features_of_a_shared_tower_call_merge_as_the_model_code(loaded):
 
 def test_padding_tokens_among_the_text_embed_as_zeros_as_in_the_model_code(loaded):
     family = loaded.family
-    ids, inputs = _inputs(loaded, [make_image(48, 48, 5)])
+    ids, inputs = prompt_inputs(loaded, [make_image(48, 48, 5)])
     pad = loaded.model.config.pad_token_id or 0
     image = loaded.model.config.image_token_index
     tokens = ids[0].tolist()

@@ -14,12 +14,8 @@ import pytest
 
 from vlm_serve.engine.families import family_for
 from vlm_serve.engine.loader import load
-from vlm_serve.engine.model_inputs import model_arrays
-from vlm_serve.engine.types import SamplingParams
-from vlm_serve.preprocess.media import MediaPolicy
-from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-from conftest import make_image, time_behind_queued_work
+from conftest import make_image, prompt_inputs, time_behind_queued_work
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl-float32", "qwen2_5_vl-bfloat16", "qwen2_vl-float32"])
@@ -30,14 +26,6 @@ def loaded(request, model_path):
         loaded.model.set_dtype(mx.bfloat16)
     loaded.family = family_for(loaded.model)
     return loaded
-
-
-def _inputs(loaded, images: list, text: str = "What is in these?") -> tuple[mx.array, dict]:
-    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    prompt = render_chat(ctx, [{"role": "user", "content": content}])
-    prepared = prepare_prompt(ctx, "merge", prompt, SamplingParams(max_tokens=1), images)
-    return mx.array(prepared.input_ids[None], mx.int32), model_arrays(prepared)
 
 
 def _model_code(loaded, ids: mx.array, inputs: dict) -> tuple[mx.array, dict]:
@@ -65,7 +53,7 @@ def _without_pixels(inputs: dict) -> dict:
 @pytest.mark.parametrize("count", [1, 2])
 def test_the_merge_equals_the_model_code(loaded, count):
     family = loaded.family
-    ids, inputs = _inputs(loaded, [make_image(56 + 28 * seed, 56, seed) for seed in range(count)])
+    ids, inputs = prompt_inputs(loaded, [make_image(56 + 28 * seed, 56, seed) for seed in range(count)])
     expected = _model_code(loaded, ids, inputs)
     # The family runs the tower itself (and keeps the features under the key)...
     _assert_same(family.embed(ids, inputs, image_key=(f"qwen-merge-{count}",)), expected)
@@ -75,13 +63,13 @@ def test_the_merge_equals_the_model_code(loaded, count):
 
 
 def test_text_alone_equals_the_model_code(loaded):
-    ids, inputs = _inputs(loaded, [], "Say something about the sea.")
+    ids, inputs = prompt_inputs(loaded, [], "Say something about the sea.")
     _assert_same(loaded.family.embed(ids, inputs), _model_code(loaded, ids, inputs))
 
 
 def test_features_of_a_shared_tower_call_merge_as_the_model_code(loaded):
     family = loaded.family
-    prompts = [_inputs(loaded, [make_image(56, 84, seed)]) for seed in (3, 4)]
+    prompts = [prompt_inputs(loaded, [make_image(56, 84, seed)]) for seed in (3, 4)]
     images = [{k: inputs[k] for k in ("pixel_values", "image_grid_thw")} for _, inputs in prompts]
     stacked = family.stack_image_inputs(images)
     features = family.split_image_features(family.encode_images(prompts[0][0], stacked["pixel_values"], stacked),
@@ -92,7 +80,7 @@ def test_features_of_a_shared_tower_call_merge_as_the_model_code(loaded):
 
 def test_a_masked_out_token_gets_the_model_codes_positions(loaded):
     family = loaded.family
-    ids, inputs = _inputs(loaded, [make_image(56, 56, 6)])
+    ids, inputs = prompt_inputs(loaded, [make_image(56, 56, 6)])
     mask = np.ones(ids.shape, np.int32)
     mask[0, 1] = 0  # a text token before the image
     inputs = {**inputs, "attention_mask": mx.array(mask)}
@@ -105,7 +93,7 @@ def test_embedding_a_prompt_waits_for_no_queued_work(loaded):
     them still runs: nothing was read back from the device. The model code's merge
     waits for all of it."""
     family = loaded.family
-    ids, inputs = _inputs(loaded, [make_image(56, 56, 7)])
+    ids, inputs = prompt_inputs(loaded, [make_image(56, 56, 7)])
     features = family.encode_images(ids, inputs["pixel_values"], inputs)
     rest = _without_pixels(inputs)
     mx.eval(features, family.embed(ids, rest, features=features)[0])  # first use's setup, not timed

@@ -12,12 +12,8 @@ import pytest
 
 from vlm_serve.engine.families import family_for, qwen_tower
 from vlm_serve.engine.loader import load
-from vlm_serve.engine.model_inputs import model_arrays
-from vlm_serve.engine.types import SamplingParams
-from vlm_serve.preprocess.media import MediaPolicy
-from vlm_serve.preprocess.prompt import PromptContext, prepare_prompt, render_chat
 
-from conftest import make_image, time_behind_queued_work
+from conftest import make_image, prompt_inputs, time_behind_queued_work
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl-float32", "qwen2_5_vl-bfloat16", "qwen2_vl-float32"])
@@ -34,13 +30,8 @@ def models(request, model_path):
 
 def _images(loaded, images: list) -> dict:
     """The pixels and grids of ``images``, each prepared as a request's, in one call."""
-    ctx = PromptContext(loaded.processor, loaded.model_type, MediaPolicy(), 4, loaded.chat_template)
-    per_image = []
-    for image in images:
-        prompt = render_chat(ctx, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
-        inputs = model_arrays(prepare_prompt(ctx, "tower", prompt, SamplingParams(max_tokens=1), [image]))
-        per_image.append({k: inputs[k] for k in ("pixel_values", "image_grid_thw")})
-    return loaded.family.stack_image_inputs(per_image)
+    per_image = [prompt_inputs(loaded, [image])[1] for image in images]
+    return loaded.family.stack_image_inputs([{k: i[k] for k in ("pixel_values", "image_grid_thw")} for i in per_image])
 
 
 def _plain_tower(plain, inputs: dict) -> mx.array:

@@ -796,8 +796,8 @@ def pipeline_stages(group: int, dim: int, dtype: mx.Dtype) -> int:
     are 16-bit (the types checked on a GPU) in 16-byte runs, and its stages fit in 48 KB
     of shared memory beside its queries (its warps' sums overlay the stages); else 0,
     each lane's own loads."""
-    step = 16 // dtype.size
-    if PIPELINE < 2 or dtype.size != 2 or dim % step or lane_sums(group, dim, dtype) > FEW_SUMS:
+    step = run_elements(dim, dtype)
+    if PIPELINE < 2 or dtype.size != 2 or step * dtype.size != 16 or lane_sums(group, dim, dtype) > FEW_SUMS:
         return 0
     runs = dim // step
     stages = DECODE_WARPS * PIPELINE * 16 * max(32 * PIECE_RUNS, PIECE_COLUMNS * runs)
@@ -826,10 +826,17 @@ def queries_per_block(group: int, dim: int, dtype: mx.Dtype, length: int) -> int
     return next(n for n in fits if n == 1 or n // 2 < length)
 
 
+def run_elements(dim: int, dtype: mx.Dtype) -> int:
+    """Elements of a run that pass 1 loads at once (the kernels' ``STEP``): 16 bytes
+    where rows of ``dim`` are whole 16-byte runs, else one."""
+    step = 16 // dtype.size
+    return step if dim % step == 0 else 1
+
+
 def lane_sums(group: int, dim: int, dtype: mx.Dtype) -> int:
     """The weighted values (floats) a lane of pass 1 keeps for one query of ``group``
     heads of ``dim``: its runs of each head's value dims."""
-    step = 16 // dtype.size if dim % (16 // dtype.size) == 0 else 1
+    step = run_elements(dim, dtype)
     return group * -(-dim // (32 * step)) * step
 
 
@@ -977,7 +984,7 @@ def flash_prefill_attention(
 
 
 def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: int,
-               group: int | None, template: list, shift: int, split: tuple[int, int]) -> mx.array:
+               group: int, template: list, shift: int, split: tuple[int, int]) -> mx.array:
     """Pass 1 (``blocks`` blocks of queries per chunk and group of heads) then pass 2
     over ``rows`` query rows (``inputs``: q, keys, values, ...; ``shift``: the columns
     the chunks start before column 0; ``split``: a chunk's columns and its warps)."""
@@ -985,7 +992,6 @@ def _attention(kernels, inputs: list, rows: int, blocks: int, heads: int, dim: i
     kv_heads, columns = keys.shape[1], keys.shape[2]
     chunk, warps = split
     chunks = max(1, -(-(columns + shift) // chunk))
-    group = group or heads_per_block(heads, kv_heads, dim)
     partial_kernel, combine_kernel = kernels
     key_loads, value_loads = loads_in_flight(group, dim, q.dtype, dict(template)["QQ"])
     template = [("T", q.dtype), ("D", dim), ("KV_HEADS", kv_heads), ("QG", group),
