@@ -12,6 +12,7 @@ import pytest
 
 from vlm_serve.engine.families import family_for, qwen_tower
 from vlm_serve.engine.loader import load
+from vlm_serve.mlx_runtime import cuda_available
 
 from conftest import make_image, prompt_inputs, time_behind_queued_work
 
@@ -42,6 +43,10 @@ def _plain_tower(plain, inputs: dict) -> mx.array:
 @pytest.mark.parametrize("sizes", [[(56, 84)], [(56, 56), (112, 84)], [(224, 224)]])
 def test_the_tower_gives_the_model_codes_features(models, sizes):
     loaded, plain = models
+    if cuda_available() and plain.vision_tower.patch_embed.proj.weight.dtype == mx.bfloat16:
+        # The engine's tower runs there (the Qwen bursts of bench/gpu/burst.sh), but the
+        # reference cannot: mlx-vlm's tower in bfloat16 ends the process with SIGFPE.
+        pytest.skip("mlx-vlm's Qwen2.5-VL tower in bfloat16 on CUDA ends the process (SIGFPE)")
     inputs = _images(loaded, [make_image(w, h, i) for i, (w, h) in enumerate(sizes)])
     assert isinstance(loaded.model.vision_tower, qwen_tower.HostIndexedTower)
     features = loaded.family.encode_images(None, inputs["pixel_values"], inputs)

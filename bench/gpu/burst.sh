@@ -32,8 +32,9 @@
 # VLM_SERVE_ATTENTION_PIPELINE=0), with decode attention's blocks of 256 columns on 8 warps
 # and the tower's GELU in the cube form, the defaults before 128 on 4 and the one-kernel
 # GELU (split-256-cube: VLM_SERVE_DECODE_SPLIT=256,8 VLM_SERVE_TOWER_GELU=cube), with the
-# residual add between two norms keeping a row's elements in registers
-# (norms-registers: VLM_SERVE_ADD_NORM=registers). mlx-vlm runs once after them,
+# residual add between two norms reading a row's elements again each pass instead of
+# keeping them in registers (norms-passes: VLM_SERVE_ADD_NORM=passes, the default before
+# registers). mlx-vlm runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -66,7 +67,7 @@ for variant in ${VARIANTS:-default}; do
     mlx-gelu-2048) settings="VLM_SERVE_TOWER_GELU=mlx VLM_SERVE_PREFILL_TOKEN_BUDGET=2048" ;;
     own-loads) settings="VLM_SERVE_ATTENTION_PIPELINE=0" ;;
     split-256-cube) settings="VLM_SERVE_DECODE_SPLIT=256,8 VLM_SERVE_TOWER_GELU=cube" ;;
-    norms-registers) settings="VLM_SERVE_ADD_NORM=registers" ;;
+    norms-passes) settings="VLM_SERVE_ADD_NORM=passes" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

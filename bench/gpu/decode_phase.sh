@@ -31,7 +31,7 @@
 #             a row's elements again each pass, or keeping them in registers): its GPU
 #             tests, then its kernels (ncu) in the compiled step at 64 rows and in a
 #             prefill pass of 4 prompts of 340 tokens, twice each, alternating
-#   norms-burst  the burst as it is and with the norms' registers form, in turned order;
+#   norms-burst  the burst as it is and with the norms' passes form, in turned order;
 #             mlx-vlm once
 #   split-burst  the burst as it is and with 256 columns on 8 warps and the cube GELU
 #             (burst.sh's split-256-cube), in turned order; mlx-vlm once
@@ -210,4 +210,4 @@ if has norms; then
   archive norms
 fi
 
-if has norms-burst; then turned_bursts norms-burst "default norms-registers"; fi
+if has norms-burst; then turned_bursts norms-burst "default norms-passes"; fi

@@ -50,11 +50,13 @@ __device__ __forceinline__ float block_sum(float x, float* shared) {
 # the row (t, t + THREADS, ...) again in each of its three passes; ``registers`` keeps
 # them in registers from the first pass to the last, one trip to memory instead of
 # three (a decode step's 64 rows are too few blocks to hide them), for more registers
-# a thread (nvcc for sm_90: 64 at Gemma-3-4B's 2,560, 128 at 5,376). ``passes`` until a
-# GPU has timed both (``bench/gpu/decode_phase.sh``'s norms part);
-# ``VLM_SERVE_ADD_NORM=registers`` picks the other.
+# a thread (nvcc for sm_90: 64 at Gemma-3-4B's 2,560, 128 at 5,376). ``registers`` by
+# default: on an H200 at 2,560 its 136 launches take 0.94 ms of a 64-row decode step
+# against 1.58, and 2.42 ms of a 4-prompt prefill pass against 3.08
+# (bench/results/gpu-h200-norms-registers). ``VLM_SERVE_ADD_NORM=passes`` picks the
+# other, which holds more blocks an SM where rows are wide.
 FORMS = ("passes", "registers")
-FORM = os.environ.get("VLM_SERVE_ADD_NORM", "passes")
+FORM = os.environ.get("VLM_SERVE_ADD_NORM", "registers")
 
 _PASSES = """
   const size_t base = (size_t)blockIdx.x * H;  // one block a row: x takes a prefill pass's rows
