@@ -56,7 +56,7 @@ def main() -> None:
         family.embed(ids, *args_)
         spent = time.perf_counter() - start
         mx.eval(queued)
-        tower = "family's tower call" if features is not None else "model code's tower"
+        tower = "family's tower call" if features is not None else "tower inside the merge"
         print(f"{arch}: {spent:.3f} s ({tower})", flush=True)
 
 

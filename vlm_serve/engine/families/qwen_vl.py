@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.qwen2 import Qwen2Decoder
-from . import qwen_tower
+from . import qwen3_tower, qwen_tower
 from .base import Family
 from .host_merge import gathered
 
@@ -119,10 +119,28 @@ class Qwen3VL(QwenVL):
     batch_vision = False  # the tower's DeepStack outputs cannot be handed back cached
     prefill_batch_axes = {**QwenVL.prefill_batch_axes, "visual_pos_masks": 0}
 
+    def __init__(self, model, *cache_bounds, **kwargs):
+        super().__init__(model, *cache_bounds, **kwargs)
+        qwen3_tower.install(model.vision_tower)
+
     def encode_images(self, input_ids, pixel_values, inputs):
         return None
 
-    merge = Family.merge  # its merge and positions are the model code's (DeepStack)
+    def merge(self, input_ids, pixel_values, mask, inputs, features=None):
+        """``get_input_embeddings`` without reading anything back (``QwenVL.merge``):
+        the tower's features by a gather, its DeepStack features as they come (one
+        row per image position, in order), and the image positions from the host's
+        token ids. Videos keep the model code (its positions split a video's frames)."""
+        if pixel_values is None or features is not None or inputs.get("pixel_values_videos") is not None:
+            return super().merge(input_ids, pixel_values, mask, inputs, features)
+        tower = self.model.vision_tower
+        features, deepstack = tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype),
+                                    inputs.get("image_grid_thw"))
+        embeds, kwargs = super().merge(input_ids, None, mask, inputs, features)
+        config = self.model.config
+        visual = np.isin(np.asarray(input_ids), [config.image_token_id, config.video_token_id])
+        return embeds, {**kwargs, "visual_pos_masks": mx.array(visual),
+                        "deepstack_visual_embeds": deepstack}
 
     def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
         kwargs = super().chunk_kwargs(kwargs, start, stop)
@@ -135,7 +153,9 @@ class Qwen3VL(QwenVL):
             # The features are one per image position of the prompt, in order: this
             # chunk's are those of the image positions in [start, stop), as the model
             # would select them itself by its cache offset.
-            counts = np.cumsum(np.array(visual[0]), dtype=np.int64)
+            # (The mask through NumPy first: a device slice of it would be read back only
+            # after all the work queued before it.)
+            counts = np.cumsum(np.asarray(visual)[0], dtype=np.int64)
             a = int(counts[start - 1]) if start else 0
             b = int(counts[stop - 1]) if stop else 0
             kwargs["deepstack_visual_embeds"] = [layer[a:b] for layer in deepstack]
