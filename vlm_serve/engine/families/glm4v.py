@@ -11,9 +11,12 @@ the engine's own step (``decode/glm4v.py``), each row at its token count plus it
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..decode.glm4v import Glm4vDecoder
-from .qwen_vl import QwenVL
+from . import glm4v_tower
+from .host_merge import gathered
+from .qwen_vl import QwenVL, rope_index
 
 
 class Glm4V(QwenVL):
@@ -22,20 +25,32 @@ class Glm4V(QwenVL):
     batch_prefill = batch_prefill_images = True  # passes shared; its tower runs per request
     batch_vision = False
 
+    def __init__(self, model, *cache_bounds, **kwargs):
+        super().__init__(model, *cache_bounds, **kwargs)
+        glm4v_tower.install(model.vision_tower)
+
     def encode_images(self, input_ids, pixel_values, inputs):
         return None  # get_input_embeddings takes no cached features
 
-    def embed(self, input_ids, inputs, image_key=(), features=None):
-        embeds, kwargs = super().embed(input_ids, inputs, image_key, features)
-        grid = kwargs.get("image_grid_thw")
-        if grid is not None:
-            positions, delta = self.model.language_model.get_rope_index(input_ids, grid, None, None)
-        else:
-            positions = mx.broadcast_to(mx.arange(input_ids.shape[1])[None, None], (3, 1, input_ids.shape[1]))
-            delta = mx.zeros((1, 1), mx.int32)
-        kwargs["position_ids"] = positions
-        kwargs["rope_deltas"] = delta
-        return embeds, kwargs
+    def merge(self, input_ids, pixel_values, mask, inputs, features=None):
+        """``get_input_embeddings`` and ``get_rope_index`` without reading anything back
+        from the device (``QwenVL.merge``): the tower's features by a gather at the image
+        tokens, the positions from the host's token ids and grids (all tokens kept, as
+        the model computes them)."""
+        embeds = self.model.language_model.model.embed_tokens(input_ids)
+        grid = inputs.get("image_grid_thw")
+        if pixel_values is None or grid is None:
+            length = input_ids.shape[1]
+            positions = mx.broadcast_to(mx.arange(length)[None, None], (3, 1, length))
+            return embeds, {**inputs, "position_ids": positions, "rope_deltas": mx.zeros((1, 1), mx.int32)}
+        tower = self.model.vision_tower
+        features = tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype), grid, output_hidden_states=False)
+        config, tokens = self.model.config, np.asarray(input_ids)
+        merged = gathered(embeds, features, tokens, config.image_token_id, config.video_token_id)
+        positions, deltas = rope_index(tokens, np.ones_like(tokens), np.asarray(grid), None,
+                                       self.model.language_model.config)
+        return merged, {**inputs, "position_ids": mx.array(positions, dtype=input_ids.dtype),
+                        "rope_deltas": mx.array(np.array(deltas, np.int32).reshape(-1, 1))}
 
     def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
         return {**kwargs, "position_ids": kwargs["position_ids"][:, :, start:stop]}

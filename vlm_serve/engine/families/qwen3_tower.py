@@ -12,25 +12,12 @@ read there waits only for that stream's work, and the same kernels give the same
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import numpy as np
 
 from .qwen_tower import sequence_bounds
-
-_local = threading.local()  # MLX's streams belong to the thread that made them
-
-
-def side_stream() -> mx.Stream:
-    """A stream of the default device beside its default stream: one per thread and
-    device."""
-    device = mx.default_device()
-    streams = _local.__dict__.setdefault("streams", {})
-    key = (str(device.type), getattr(device, "index", 0))
-    if key not in streams:
-        streams[key] = mx.new_stream(device)
-    return streams[key]
+from .side_stream import side_stream
+from .tower_mixin import mix_in
 
 
 class SideStreamTower:
@@ -65,10 +52,4 @@ TOWERS = ("mlx_vlm.models.qwen3_vl.vision",)
 def install(tower) -> bool:
     """Give ``tower``, where it is Qwen3-VL's ``VisionModel``, the host's grids and the
     side stream, on this instance; returns whether it has them."""
-    cls = type(tower)
-    if issubclass(cls, SideStreamTower):
-        return True
-    if cls.__module__ not in TOWERS:
-        return False
-    tower.__class__ = type(cls.__name__, (SideStreamTower, cls), {})
-    return True
+    return mix_in(tower, SideStreamTower, TOWERS)

@@ -24,6 +24,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from .tower_mixin import mix_in
+
 
 def rotary_positions(grids: np.ndarray, merge: int) -> np.ndarray:
     """(patches, 2): each patch's (row, column) in its image, patches in the tower's
@@ -105,10 +107,4 @@ def install(tower) -> bool:
     index arithmetic, on this instance; returns whether it has it. Its attention reads
     the bounds it is given with ``[1:-1].tolist()``, which a NumPy array answers on the
     host."""
-    cls = type(tower)
-    if issubclass(cls, HostIndexedTower):
-        return True
-    if cls.__module__ not in TOWERS:
-        return False
-    tower.__class__ = type(cls.__name__, (HostIndexedTower, cls), {})
-    return True
+    return mix_in(tower, HostIndexedTower, TOWERS)

@@ -1,0 +1,69 @@
+"""GLM-4V embeds a prompt without the model code's reads of device arrays, each of which
+waits for all queued device work: its tower takes the grids and bounds from the host
+and its rotary positions from a side stream (``families/glm4v_tower.py``), and its merge
+and positions come from the host's token ids (``Glm4V.merge``). The embeddings equal a
+plain copy of the model's ``get_input_embeddings`` to the bit, and the positions and
+rope deltas its ``get_rope_index``: text alone, one image, two images of different
+sizes, in float32 and bfloat16; and embedding a prompt waits for no work queued before
+it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vlm_serve.engine.families import family_for, glm4v_tower
+from vlm_serve.engine.loader import load
+
+from conftest import make_image, prompt_inputs, time_behind_queued_work
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def models(request, model_path):
+    """(the engine's copy, with its family, and mlx-vlm's own copy) of the model."""
+    loaded, plain = load(str(model_path("glm4v"))), load(str(model_path("glm4v"))).model
+    if request.param == "bfloat16":
+        loaded.model.set_dtype(mx.bfloat16)
+        plain.set_dtype(mx.bfloat16)
+    loaded.family = family_for(loaded.model)
+    return loaded, plain
+
+
+def _assert_equal(got: mx.array, want: mx.array, name: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    assert mx.array_equal(got, want).item(), name
+
+
+@pytest.mark.parametrize("sizes", [[], [(64, 48)], [(64, 64), (96, 64)]])
+def test_the_merge_equals_the_model_code(models, sizes):
+    loaded, plain = models
+    assert isinstance(loaded.model.vision_tower, glm4v_tower.HostGridTower)
+    images = [make_image(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    ids, inputs = prompt_inputs(loaded, images)
+    embeds, kwargs = loaded.family.embed(ids, inputs)
+    rest = dict(inputs)
+    pixels, mask = rest.pop("pixel_values", None), rest.pop("attention_mask", None)
+    grid = rest.get("image_grid_thw")
+    _assert_equal(embeds, plain.get_input_embeddings(ids, pixels, mask=mask, **rest).inputs_embeds, "embeddings")
+    if grid is None:  # text: the plain positions the model code's prefill uses
+        return
+    positions, deltas = plain.language_model.get_rope_index(ids, grid, None, None)
+    _assert_equal(kwargs["position_ids"], positions, "position_ids")
+    _assert_equal(kwargs["rope_deltas"], deltas, "rope_deltas")
+
+
+def test_embedding_a_prompt_waits_for_no_queued_work(models):
+    """The tower call, the merge and the row's rope delta are all built while work
+    queued before them still runs. The model code waits for all of it."""
+    loaded, _ = models
+    family = loaded.family
+    ids, inputs = prompt_inputs(loaded, [make_image(64, 48, 7), make_image(48, 64, 8)])
+    mx.eval(family.embed(ids, inputs)[0])  # first use's setup, not timed
+
+    def embed():
+        _, kwargs = family.embed(mx.array(np.asarray(ids)), inputs)
+        family.row_state(kwargs, None)  # the row's rope delta, read when it joins the batch
+
+    spent, queued = time_behind_queued_work(embed)
+    assert spent < queued / 4, f"embedding took {spent:.2f} s behind {queued:.2f} s of queued work"
