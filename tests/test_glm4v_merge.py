@@ -4,7 +4,8 @@ and its rotary positions from a side stream (``families/glm4v_tower.py``), and i
 and positions come from the host's token ids (``Glm4V.merge``). The embeddings equal a
 plain copy of the model's ``get_input_embeddings`` to the bit, and the positions and
 rope deltas its ``get_rope_index``: text alone, one image, two images of different
-sizes, in float32 and bfloat16; and embedding a prompt waits for no work queued before
+sizes, from the pixels or from features handed back (the vision cache), in float32 and
+bfloat16; and embedding a prompt waits for no work queued before
 it."""
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def test_the_merge_equals_the_model_code(models, sizes):
     positions, deltas = plain.language_model.get_rope_index(ids, grid, None, None)
     _assert_equal(kwargs["position_ids"], positions, "position_ids")
     _assert_equal(kwargs["rope_deltas"], deltas, "rope_deltas")
+    # The same from the images' features handed back, as the vision cache does.
+    without_pixels = {k: v for k, v in inputs.items() if k != "pixel_values"}
+    features = loaded.family.encode_images(ids, pixels, without_pixels)
+    again, again_kwargs = loaded.family.embed(ids, without_pixels, features=features)
+    _assert_equal(again, embeds, "embeddings from features")
+    _assert_equal(again_kwargs["position_ids"], positions, "position_ids from features")
 
 
 def test_embedding_a_prompt_waits_for_no_queued_work(models):

@@ -4,7 +4,8 @@ host and runs its index functions on a stream of their own (``families/qwen3_tow
 and its merge finds the image positions in the host's token ids (``Qwen3VL.merge``).
 The embeddings, positions, rope deltas, visual masks and DeepStack features equal a
 plain copy of the model's (as mlx-vlm loads it) to the bit: text alone, one image, two
-images of different sizes, a masked-out token, in float32 and bfloat16; and embedding a
+images of different sizes, from the tower's outputs handed back (the vision cache) and
+from a tower call shared by two prompts, a masked-out token, in float32 and bfloat16; and embedding a
 prompt waits for no work queued before it."""
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ def test_the_merge_equals_the_model_code(models, sizes):
     expected = _model_code(plain, ids, inputs)
     assert "deepstack_visual_embeds" in expected[1] and "visual_pos_masks" in expected[1]
     _assert_same(loaded.family.embed(ids, inputs), expected)
+    # The same from the tower's outputs handed back, as the vision cache does.
+    rest = {k: v for k, v in inputs.items() if k != "pixel_values"}
+    features = loaded.family.encode_images(ids, inputs["pixel_values"], rest)
+    _assert_same(loaded.family.embed(ids, rest, features=features), expected)
+
+
+def test_features_of_a_shared_tower_call_merge_as_the_model_code(models):
+    loaded, plain = models
+    family = loaded.family
+    prompts = [prompt_inputs(loaded, [make_image(64, 48, seed)]) for seed in (3, 4)]
+    images = [{k: inputs[k] for k in ("pixel_values", "image_grid_thw")} for _, inputs in prompts]
+    stacked = family.stack_image_inputs(images)
+    shared = family.encode_images(prompts[0][0], stacked["pixel_values"], stacked)
+    for (ids, inputs), own in zip(prompts, family.split_image_features(shared, [i for _, i in prompts])):
+        rest = {k: v for k, v in inputs.items() if k != "pixel_values"}
+        _assert_same(family.embed(ids, rest, features=own), _model_code(plain, ids, inputs))
 
 
 def test_text_alone_equals_the_model_code(models):

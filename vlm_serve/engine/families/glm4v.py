@@ -22,7 +22,10 @@ from .qwen_vl import QwenVL, rope_index
 class Glm4V(QwenVL):
     name = "glm4v"
     decoder_class = Glm4vDecoder
-    batch_prefill = batch_prefill_images = True  # passes shared; its tower runs per request
+    batch_prefill = batch_prefill_images = True  # passes shared
+    # Each request's images get a tower call of their own: the tower's attention splits
+    # its sequence after the first two images only, so a third image would attend with
+    # the fourth (the model code's arithmetic, kept within one request as it is alone).
     batch_vision = False
 
     def __init__(self, model, *cache_bounds, **kwargs):
@@ -30,7 +33,9 @@ class Glm4V(QwenVL):
         glm4v_tower.install(model.vision_tower)
 
     def encode_images(self, input_ids, pixel_values, inputs):
-        return None  # get_input_embeddings takes no cached features
+        tower = self.model.vision_tower
+        return tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype), inputs.get("image_grid_thw"),
+                     output_hidden_states=False)
 
     def merge(self, input_ids, pixel_values, mask, inputs, features=None):
         """``get_input_embeddings`` and ``get_rope_index`` without reading anything back
@@ -39,12 +44,12 @@ class Glm4V(QwenVL):
         the model computes them)."""
         embeds = self.model.language_model.model.embed_tokens(input_ids)
         grid = inputs.get("image_grid_thw")
-        if pixel_values is None or grid is None:
+        if features is None and pixel_values is not None and grid is not None:
+            features = self.encode_images(input_ids, pixel_values, inputs)
+        if features is None:
             length = input_ids.shape[1]
             positions = mx.broadcast_to(mx.arange(length)[None, None], (3, 1, length))
             return embeds, {**inputs, "position_ids": positions, "rope_deltas": mx.zeros((1, 1), mx.int32)}
-        tower = self.model.vision_tower
-        features = tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype), grid, output_hidden_states=False)
         config, tokens = self.model.config, np.asarray(input_ids)
         merged = gathered(embeds, features, tokens, config.image_token_id, config.video_token_id)
         positions, deltas = rope_index(tokens, np.ones_like(tokens), np.asarray(grid), None,

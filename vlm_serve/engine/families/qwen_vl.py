@@ -105,18 +105,17 @@ class QwenVL(Family):
 
 class Qwen3VL(QwenVL):
     """Qwen3-VL: mRoPE as Qwen2.5-VL, plus DeepStack image features added to the first
-    layers' hidden states at image positions during prefill. mlx-vlm drops the DeepStack
-    features when given ``cached_image_features``, so the vision-feature cache stays off
-    for this family: the tower runs for every request. Decoding needs none of that (its
-    text model is Qwen2's with q/k RMSNorm): the same decode step.
+    layers' hidden states at image positions during prefill. Its features are the
+    tower's two outputs, (merged features, DeepStack features by layer): the vision
+    cache keeps both and the merge takes both back (mlx-vlm's own merge would drop the
+    DeepStack features of cached ones). Decoding needs none of that (its text model is
+    Qwen2's with q/k RMSNorm): the same decode step.
 
     Each chunk gets its own share of the DeepStack features (``chunk_kwargs``), so rows
     stack: the model adds a batch's features row after row, each row's by its own
     ``visual_pos_masks`` (``_deepstack_process``), exactly as it adds one row's alone."""
 
     name = "qwen3-vl"
-    batch_prefill_images = True
-    batch_vision = False  # the tower's DeepStack outputs cannot be handed back cached
     prefill_batch_axes = {**QwenVL.prefill_batch_axes, "visual_pos_masks": 0}
 
     def __init__(self, model, *cache_bounds, **kwargs):
@@ -124,23 +123,35 @@ class Qwen3VL(QwenVL):
         qwen3_tower.install(model.vision_tower)
 
     def encode_images(self, input_ids, pixel_values, inputs):
-        return None
+        if inputs.get("pixel_values_videos") is not None:
+            return None  # the model code's merge (below)
+        tower = self.model.vision_tower
+        features, deepstack = tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype),
+                                    inputs.get("image_grid_thw"))
+        return features, list(deepstack)
+
+    def split_image_features(self, features, inputs):
+        merged, deepstack = features
+        split = super().split_image_features  # each layer's rows split as the features'
+        by_layer = [split(layer, inputs) for layer in deepstack]
+        return [(own, list(layers)) for own, layers in zip(split(merged, inputs), zip(*by_layer))]
 
     def merge(self, input_ids, pixel_values, mask, inputs, features=None):
         """``get_input_embeddings`` without reading anything back (``QwenVL.merge``):
         the tower's features by a gather, its DeepStack features as they come (one
         row per image position, in order), and the image positions from the host's
         token ids. Videos keep the model code (its positions split a video's frames)."""
-        if pixel_values is None or features is not None or inputs.get("pixel_values_videos") is not None:
-            return super().merge(input_ids, pixel_values, mask, inputs, features)
-        tower = self.model.vision_tower
-        features, deepstack = tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype),
-                                    inputs.get("image_grid_thw"))
-        embeds, kwargs = super().merge(input_ids, None, mask, inputs, features)
+        if features is None and pixel_values is not None:
+            features = self.encode_images(input_ids, pixel_values, inputs)
+            if features is None:
+                return Family.merge(self, input_ids, pixel_values, mask, inputs)
+        if features is None:  # text alone
+            return super().merge(input_ids, None, mask, inputs)
+        merged, deepstack = features
+        embeds, kwargs = super().merge(input_ids, None, mask, inputs, merged)
         config = self.model.config
         visual = np.isin(np.asarray(input_ids), [config.image_token_id, config.video_token_id])
-        return embeds, {**kwargs, "visual_pos_masks": mx.array(visual),
-                        "deepstack_visual_embeds": deepstack}
+        return embeds, {**kwargs, "visual_pos_masks": mx.array(visual), "deepstack_visual_embeds": deepstack}
 
     def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
         kwargs = super().chunk_kwargs(kwargs, start, stop)
