@@ -18,6 +18,7 @@ from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
 from .glm4v import Glm4V
+from .kimi_vl import KimiVL
 from .llama_text import LlamaText, Mistral3
 from .mllama import Mllama
 from .paligemma import PaliGemma
@@ -39,7 +40,7 @@ FAMILIES: dict[str, type[Family]] = {
     "mllama": Mllama,
     "phi3_v": Phi3V,
     # No per-request state beyond the batch caches: the plain family batches them.
-    "kimi_vl": Family,
+    "kimi_vl": KimiVL,
     # ... and the engine's own decode step runs their Llama-shaped text models.
     "mistral3": Mistral3,
     "llava": LlamaText,
