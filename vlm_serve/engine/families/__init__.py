@@ -39,7 +39,7 @@ FAMILIES: dict[str, type[Family]] = {
     "paligemma": PaliGemma,
     "mllama": Mllama,
     "phi3_v": Phi3V,
-    # No per-request state beyond the batch caches: the plain family batches them.
+    # No per-request state beyond the batch caches: the plain family's batching.
     "kimi_vl": KimiVL,
     # ... and the engine's own decode step runs their Llama-shaped text models.
     "mistral3": Mistral3,

@@ -29,7 +29,7 @@ class LlamaText(Family):
 
     def __init__(self, model, *cache_bounds, **kwargs):  # the vision cache's, as Family's
         super().__init__(model, *cache_bounds, **kwargs)
-        host_merge.install(model)  # LLaVA, InternVL, Mistral 3: image positions from the host's ids
+        host_merge.install(model)  # image positions (and Idefics3's padding images) from the host
 
 
 class Mistral3(LlamaText):
