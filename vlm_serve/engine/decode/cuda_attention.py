@@ -62,13 +62,28 @@ from ...mlx_runtime import kernel_constant
 
 CHUNK = 256  # columns per block of a prefill pass's pass 1
 WARPS = 8  # warps per block of a prefill pass's pass 1: CHUNK // WARPS columns each
+
+
+def decode_split(value: str) -> tuple[int, int]:
+    """``VLM_SERVE_DECODE_SPLIT``'s (CHUNK, WARPS): each warp a whole share of the block's
+    columns (the kernel's ``PER_WARP``), at most 32 warps (1,024 threads) a block."""
+    try:
+        chunk, warps = (int(n) for n in value.split(","))
+    except ValueError:
+        chunk = warps = 0
+    if not (1 <= warps <= 32 and chunk >= warps and chunk % warps == 0):
+        raise ValueError(f"VLM_SERVE_DECODE_SPLIT={value!r}: want CHUNK,WARPS with 1-32 warps "
+                         "sharing CHUNK columns evenly, as 128,4")
+    return chunk, warps
+
+
 # Decode's pass 1 in blocks of DECODE_CHUNK columns on DECODE_WARPS warps (env
 # ``VLM_SERVE_DECODE_SPLIT=CHUNK,WARPS``). Smaller blocks fill the SMs more evenly: at
 # 256 on 8, Gemma-3-4B's 64 rows were 1.94 waves of 3 blocks an SM. ncu, H200, 34
 # layers at 64 rows, pipelined, both passes: 4.86 ms at 128 on 4 against 5.48 at 256 on
 # 8 (``bench/decode_kernels.py --split``). A row's bits follow the split, and every row
 # of every batch gets the same one.
-DECODE_CHUNK, DECODE_WARPS = (int(n) for n in os.environ.get("VLM_SERVE_DECODE_SPLIT", "128,4").split(","))
+DECODE_CHUNK, DECODE_WARPS = decode_split(os.environ.get("VLM_SERVE_DECODE_SPLIT", "128,4"))
 # Loads a lane of pass 1 has in flight at once, where its sums are few
 # (``loads_in_flight``): runs of its column's key, and columns' values of its dims (each
 # a trip to memory the lane has nothing else to do during). Any number gives the bits of
