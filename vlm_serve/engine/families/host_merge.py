@@ -113,11 +113,8 @@ def _install_block_mask() -> None:
 def real_images(pixels: np.ndarray) -> np.ndarray:
     """Indices of the images (``pixels``' first axis) with any value other than 0.
     Idefics3's processor pads a batch's image lists with images of zeros, which its
-    model code drops (it counts each image's zeros on the device and reads that back).
-    A real image's first 1,024 values all but always hold a nonzero one, so in effect
-    only padding images are read through."""
-    flat = pixels.reshape(pixels.shape[0], -1)
-    return np.array([i for i, image in enumerate(flat) if image[:1024].any() or image.any()], np.int64)
+    model code drops (it counts each image's zeros on the device and reads that back)."""
+    return np.flatnonzero(pixels.reshape(pixels.shape[0], -1).any(axis=1)).astype(np.int64)
 
 
 def _on_host(values: mx.array) -> np.ndarray:
