@@ -42,6 +42,23 @@ def model_path():
     return lambda arch: cached_model(arch)
 
 
+def engine_and_plain(arch: str, dtype: str = "float32") -> tuple:
+    """(the engine's copy of ``arch``'s tiny model, with its family, and mlx-vlm's own
+    copy, as it loads it), both in ``dtype``: the second is the reference for code that
+    replaces parts of the model code on the first."""
+    import mlx.core as mx
+
+    from vlm_serve.engine.families import family_for
+    from vlm_serve.engine.loader import load
+
+    loaded, plain = load(str(cached_model(arch))), load(str(cached_model(arch))).model
+    if dtype != "float32":
+        loaded.model.set_dtype(getattr(mx, dtype))
+        plain.set_dtype(getattr(mx, dtype))
+    loaded.family = family_for(loaded.model)
+    return loaded, plain
+
+
 def prompt_inputs(loaded, images: list, text: str = "What is in these?") -> tuple:
     """(ids (1, L) int32, the model's inputs) of one user turn of ``images`` then
     ``text``, prepared as the server prepares a request for ``loaded``'s model."""

@@ -14,22 +14,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vlm_serve.engine.families import family_for, glm4v_tower
-from vlm_serve.engine.loader import load
+from vlm_serve.engine.families import glm4v_tower
 from vlm_serve.mlx_runtime import cuda_available
 
-from conftest import make_image, prompt_inputs, time_behind_queued_work
+from conftest import engine_and_plain, make_image, prompt_inputs, time_behind_queued_work
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def models(request, model_path):
-    """(the engine's copy, with its family, and mlx-vlm's own copy) of the model."""
-    loaded, plain = load(str(model_path("glm4v"))), load(str(model_path("glm4v"))).model
-    if request.param == "bfloat16":
-        loaded.model.set_dtype(mx.bfloat16)
-        plain.set_dtype(mx.bfloat16)
-    loaded.family = family_for(loaded.model)
-    return loaded, plain
+def models(request):
+    return engine_and_plain("glm4v", request.param)
 
 
 def _assert_equal(got: mx.array, want: mx.array, name: str) -> None:

@@ -14,23 +14,16 @@ import pytest
 from vlm_serve.engine.families import SerialFamily, family_for, host_merge
 from vlm_serve.engine.loader import load
 
-from conftest import make_image, prompt_inputs, time_behind_queued_work
+from conftest import engine_and_plain, make_image, prompt_inputs, time_behind_queued_work
 
 ARCHS = ["llava", "internvl_chat", "mistral3", "idefics3", "smolvlm", "kimi_vl"]
 # Idefics3's model code (SmolVLM's too) drops padding images and counts patches itself.
 IDEFICS3 = ["idefics3", "smolvlm"]
 
 
-def engine_and_plain(path) -> tuple:
-    """(the engine's copy, with its family, and mlx-vlm's own copy) of one model."""
-    loaded = load(str(path))
-    loaded.family = family_for(loaded.model)
-    return loaded, load(str(path)).model
-
-
 @pytest.fixture(scope="module", params=ARCHS)
-def models(request, model_path):
-    return engine_and_plain(model_path(request.param))
+def models(request):
+    return engine_and_plain(request.param)
 
 
 def model_code_embeds(plain, ids, inputs) -> mx.array:
@@ -69,8 +62,8 @@ def test_a_text_prompt_equals_the_model_code(models):
 
 
 @pytest.fixture(scope="module", params=IDEFICS3)
-def idefics3_models(request, model_path):
-    return engine_and_plain(model_path(request.param))
+def idefics3_models(request):
+    return engine_and_plain(request.param)
 
 
 def test_padding_images_and_masked_patches_equal_the_model_code(idefics3_models):

@@ -14,21 +14,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vlm_serve.engine.families import family_for, qwen3_tower
-from vlm_serve.engine.loader import load
+from vlm_serve.engine.families import qwen3_tower
 
-from conftest import make_image, prompt_inputs, time_behind_queued_work
+from conftest import engine_and_plain, make_image, prompt_inputs, time_behind_queued_work
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def models(request, model_path):
-    """(the engine's copy, with its family, and mlx-vlm's own copy) of the model."""
-    loaded, plain = load(str(model_path("qwen3_vl"))), load(str(model_path("qwen3_vl"))).model
-    if request.param == "bfloat16":
-        loaded.model.set_dtype(mx.bfloat16)
-        plain.set_dtype(mx.bfloat16)
-    loaded.family = family_for(loaded.model)
-    return loaded, plain
+def models(request):
+    return engine_and_plain("qwen3_vl", request.param)
 
 
 def _model_code(plain, ids: mx.array, inputs: dict) -> tuple[mx.array, dict]:

@@ -10,23 +10,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vlm_serve.engine.families import family_for, qwen_tower
-from vlm_serve.engine.loader import load
+from vlm_serve.engine.families import qwen_tower
 from vlm_serve.mlx_runtime import cuda_available
 
-from conftest import make_image, prompt_inputs, time_behind_queued_work
+from conftest import engine_and_plain, make_image, prompt_inputs, time_behind_queued_work
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl-float32", "qwen2_5_vl-bfloat16", "qwen2_vl-float32"])
-def models(request, model_path):
-    """(the engine's copy, with its family, and mlx-vlm's own copy) of one model."""
-    arch, dtype = request.param.split("-")
-    loaded, plain = load(str(model_path(arch))), load(str(model_path(arch))).model
-    if dtype == "bfloat16":
-        loaded.model.set_dtype(mx.bfloat16)
-        plain.set_dtype(mx.bfloat16)
-    loaded.family = family_for(loaded.model)
-    return loaded, plain
+def models(request):
+    return engine_and_plain(*request.param.split("-"))
 
 
 def _images(loaded, images: list) -> dict:
