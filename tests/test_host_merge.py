@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vlm_serve.engine.families import SerialFamily, family_for, host_merge
+from vlm_serve.engine.families import SerialFamily, family_for, host_merge, idefics3_embed
 from vlm_serve.engine.loader import load
 
 from conftest import engine_and_plain, make_image, prompt_inputs, time_behind_queued_work
@@ -82,7 +82,7 @@ def test_padding_images_and_masked_patches_equal_the_model_code(idefics3_models)
     inputs = {**inputs, "pixel_values": mx.array(np.concatenate([padding, pixels, padding], axis=1)),
               "pixel_attention_mask": mx.array(np.concatenate([np.zeros_like(pixel_mask[:, :1]), pixel_mask,
                                                                np.zeros_like(pixel_mask[:, :1])], axis=1))}
-    assert host_merge.real_images(np.asarray(inputs["pixel_values"])[0]).tolist() == list(range(1, pixels.shape[1] + 1))
+    assert idefics3_embed.real_images(np.asarray(inputs["pixel_values"])[0]).tolist() == list(range(1, pixels.shape[1] + 1))
     assert_same_bits(loaded.family.embed(ids, inputs)[0], model_code_embeds(plain, ids, inputs))
     # ... and without a pixel mask, where the model code takes every pixel as valid.
     del inputs["pixel_attention_mask"]
