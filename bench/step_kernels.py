@@ -18,6 +18,7 @@ import argparse
 import collections
 import csv
 import ctypes
+import logging
 import os
 import sys
 
@@ -106,6 +107,7 @@ def summarize(path: str, top: int = 25) -> None:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # the engine's load log (padded sizes)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model")
     p.add_argument("--batch", type=int, default=128)

@@ -33,6 +33,12 @@
 #             prefill pass of 4 prompts of 340 tokens, twice each, alternating
 #   norms-burst  the burst as it is and with the norms' passes form, in turned order;
 #             mlx-vlm once
+#   pad       the compiled step's kernels (ncu) at 64 rows with the down projection padded
+#             to 320 rows (as it is) and to 264 (VLM_SERVE_PAD_SIZES=fine: the floor
+#             checked at load must come out at 264 for it to change anything; the log
+#             says), twice each, alternating
+#   pad-burst  the burst as it is and with VLM_SERVE_PAD_SIZES=fine, in turned order;
+#             mlx-vlm once
 #   split-burst  the burst as it is and with 256 columns on 8 warps and the cube GELU
 #             (burst.sh's split-256-cube), in turned order; mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
@@ -48,16 +54,17 @@
 #   OUT=DIR PARTS="tower gelu-burst" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="split split-burst" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="norms norms-burst" bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS="pad pad-burst" bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
-PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst norms norms-burst}
+PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst norms norms-burst pad pad-burst}
 MODEL=${MODEL:-/tmp/vlm-bench-gemma3-4b}
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONPATH=$PWD
 mkdir -p "$OUT"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 # The parts that run the model build it first; the kernel-only part (split) needs none.
-needs_model=(pacing tower rounds budget pipeline norms)
+needs_model=(pacing tower rounds budget pipeline norms pad)
 for part in "${needs_model[@]}"; do
   if has "$part"; then
     [ -f "$MODEL/config.json" ] || python3 -m fixtures.build --arch gemma3 --preset gemma3-4b --out "$MODEL" > "$OUT/build.log" 2>&1
@@ -211,3 +218,20 @@ if has norms; then
 fi
 
 if has norms-burst; then turned_bursts norms-burst "default norms-passes"; fi
+
+if has pad; then
+  mkdir -p "$OUT/pad"
+  for run in 1 2; do
+    for sizes in coarse fine; do
+      VLM_SERVE_PAD_SIZES=$sizes "$NCU" --profile-from-start off --metrics gpu__time_duration.sum \
+          --print-summary per-kernel --csv python3 bench/step_kernels.py --model "$MODEL" --batch 64 \
+          --context 600 --compiled > "$OUT/pad/step-$sizes-$run.csv" 2> "$OUT/pad/step-$sizes-$run.err"
+      echo "== step, VLM_SERVE_PAD_SIZES=$sizes, run $run"
+      grep -h "padded passes" "$OUT/pad/step-$sizes-$run.err" | head -1
+      python3 bench/step_kernels.py --summarize "$OUT/pad/step-$sizes-$run.csv" 2>/dev/null | head -8
+    done
+  done
+  archive pad
+fi
+
+if has pad-burst; then turned_bursts pad-burst "default fine-pad"; fi

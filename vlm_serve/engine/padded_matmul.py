@@ -28,6 +28,7 @@ lost their no-op nodes).
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,7 +40,12 @@ from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 # The pass sizes a padded pass may take, in rows: steps of 64 up to the largest, and
 # every number of slots a decode step may have from 8 up (``decode.store``'s buckets),
 # so that a step of any of them multiplies its own rows, none padded.
-SIZES = tuple(sorted({8, 16, 24, 32, 48, 96, *range(64, 2049, 64)}))
+# VLM_SERVE_PAD_SIZES=fine adds every 8 rows from 264 to 312: the Gemma-3-4B shape's down
+# projection keeps a row's bits from 264 rows on an H200, so a decode step below that
+# would pad it to 264 instead of 320 (~17% less of its work). Off until a GPU has timed
+# both (bench/gpu/decode_phase.sh's pad part): cuBLAS may pick a slower kernel there.
+FINE_SIZES = tuple(range(264, 320, 8)) if os.environ.get("VLM_SERVE_PAD_SIZES") == "fine" else ()
+SIZES = tuple(sorted({8, 16, 24, 32, 48, 96, *range(64, 2049, 64), *FINE_SIZES}))
 # A floor above this costs a decode step more in padding than the row-exact kernel.
 MAX_FLOOR = 512
 PROBE_ROWS = 8
