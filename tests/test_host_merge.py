@@ -89,6 +89,21 @@ def test_padding_images_and_masked_patches_equal_the_model_code(idefics3_models)
     assert_same_bits(loaded.family.embed(ids, inputs)[0], model_code_embeds(plain, ids, inputs))
 
 
+def test_a_resent_image_takes_its_features_from_the_vision_cache(idefics3_models, monkeypatch):
+    """Idefics3's and SmolVLM's features are kept by the vision cache: the same images
+    again run no tower, and the prompt still gets the model code's embeddings (two
+    images of other sizes)."""
+    loaded, plain = idefics3_models
+    family = loaded.family
+    ids, inputs = prompt_inputs(loaded, [make_image(64, 48, 6), make_image(30, 90, 7)])
+    towers, encode = [], family.encode_images
+    monkeypatch.setattr(family, "encode_images", lambda *args: towers.append(args) or encode(*args))
+    expected = model_code_embeds(plain, ids, inputs)
+    for _ in range(2):
+        assert_same_bits(family.embed(ids, inputs, image_key=("resent-pair",))[0], expected)
+    assert len(towers) == 1
+
+
 def test_pixtrals_block_mask_equals_its_own():
     from mlx_vlm.models.pixtral import vision
 

@@ -18,6 +18,7 @@ from ..vision_cache import DEFAULT_MAX_BYTES as DEFAULT_VISION_CACHE_BYTES
 from .base import Family, SerialFamily
 from .gemma import Gemma3, Gemma4
 from .glm4v import Glm4V
+from .idefics3 import Idefics3
 from .kimi_vl import KimiVL
 from .llama_text import LlamaText, Mistral3
 from .mllama import Mllama
@@ -44,8 +45,8 @@ FAMILIES: dict[str, type[Family]] = {
     # ... and the engine's own decode step runs their Llama-shaped text models.
     "mistral3": Mistral3,
     "llava": LlamaText,
-    "idefics3": LlamaText,
-    "smolvlm": LlamaText,
+    "idefics3": Idefics3,
+    "smolvlm": Idefics3,
     "internvl_chat": LlamaText,
 }
 

@@ -43,7 +43,7 @@ def _on_host(values: mx.array) -> np.ndarray:
     return np.asarray(values.astype(mx.float32) if values.dtype == mx.bfloat16 else values)
 
 
-def _idefics3_patch_embeddings(embeddings, x: mx.array, patch_mask: np.ndarray) -> mx.array:
+def _patch_embeddings(embeddings, x: mx.array, patch_mask: np.ndarray) -> mx.array:
     """Idefics3's ``VisionEmbeddings`` (the patches and their position embeddings), each
     image's rows and columns of valid patches counted on the host from ``patch_mask``
     (images x rows x columns); the model code counts them on the device and reads each
@@ -68,7 +68,7 @@ def _idefics3_patch_embeddings(embeddings, x: mx.array, patch_mask: np.ndarray) 
     return patches + embeddings.position_embedding(position_ids) * valid_patches[:, :, None]
 
 
-def _idefics3_features(model, pixel_values: mx.array, pixel_attention_mask) -> mx.array:
+def idefics3_features(model, pixel_values: mx.array, pixel_attention_mask) -> mx.array:
     """Idefics3's (and SmolVLM's) projected features of a prompt's real images, as its
     ``get_input_embeddings`` computes them, with the padding images and each image's
     patch mask found on the host (the processor's pixels and pixel mask)."""
@@ -84,7 +84,7 @@ def _idefics3_features(model, pixel_values: mx.array, pixel_attention_mask) -> m
     patch_mask = (pixel_mask[:, :rows * patch, :columns * patch]
                   .reshape(len(real), rows, patch, columns, patch).sum(axis=(2, 4)) > 0)
     vision = model.vision_model  # its __call__, with the embeddings above
-    hidden = _idefics3_patch_embeddings(vision.embeddings, pixel_values.transpose(0, 2, 3, 1), patch_mask)
+    hidden = _patch_embeddings(vision.embeddings, pixel_values.transpose(0, 2, 3, 1), patch_mask)
     hidden = hidden.astype(vision.embeddings.patch_embedding.weight.dtype)
     hidden, _ = vision.encoder(x=hidden, output_hidden_states=True, mask=None)
     features = model.connector(vision.post_layernorm(hidden).astype(pixel_values.dtype))
@@ -100,7 +100,7 @@ def idefics3_embeddings(model):
             return InputEmbeddingsFeatures(inputs_embeds=inputs_embeds)
         features = kwargs.get("cached_image_features")
         if features is None:
-            features = _idefics3_features(model, pixel_values, kwargs.get("pixel_attention_mask"))
+            features = idefics3_features(model, pixel_values, kwargs.get("pixel_attention_mask"))
         return InputEmbeddingsFeatures(inputs_embeds=scattered(
             inputs_embeds, features, np.asarray(input_ids), model.config.image_token_index))
     return get_input_embeddings

@@ -16,7 +16,8 @@ from .base import Family
 class LlamaText(Family):
     name = "llama-text"
     decoder_class = LlamaDecoder
-    # Prompts share prefill passes; each runs its own vision tower (no encode_images).
+    # Prompts share prefill passes; each runs its own vision tower (no encode_images but
+    # Idefics3's, whose embedding the engine replaces).
     batch_prefill = batch_prefill_images = True
     # Their model code reads only the embeddings and the caches (no argument along the
     # tokens; rotary positions and Ministral 3's query scale from the cache offset, the
