@@ -15,8 +15,7 @@ import numpy as np
 
 from ..decode.glm4v import Glm4vDecoder
 from . import glm4v_tower
-from .host_merge import gathered
-from .qwen_vl import QwenVL, rope_index
+from .qwen_vl import QwenVL
 
 
 class Glm4V(QwenVL):
@@ -39,23 +38,16 @@ class Glm4V(QwenVL):
 
     def merge(self, input_ids, pixel_values, mask, inputs, features=None):
         """``get_input_embeddings`` and ``get_rope_index`` without reading anything back
-        from the device (``QwenVL.merge``): the tower's features by a gather at the image
-        tokens, the positions from the host's token ids and grids (all tokens kept, as
-        the model computes them)."""
-        embeds = self.model.language_model.model.embed_tokens(input_ids)
-        grid = inputs.get("image_grid_thw")
-        if features is None and pixel_values is not None and grid is not None:
+        from the device: ``QwenVL.merge``, every token kept (the model computes its
+        positions without the mask); text alone, plain positions."""
+        if features is None and pixel_values is not None and inputs.get("image_grid_thw") is not None:
             features = self.encode_images(input_ids, pixel_values, inputs)
-        if features is None:
-            length = input_ids.shape[1]
-            positions = mx.broadcast_to(mx.arange(length)[None, None], (3, 1, length))
-            return embeds, {**inputs, "position_ids": positions, "rope_deltas": mx.zeros((1, 1), mx.int32)}
-        config, tokens = self.model.config, np.asarray(input_ids)
-        merged = gathered(embeds, features, tokens, config.image_token_id, config.video_token_id)
-        positions, deltas = rope_index(tokens, np.ones_like(tokens), np.asarray(grid), None,
-                                       self.model.language_model.config)
-        return merged, {**inputs, "position_ids": mx.array(positions, dtype=input_ids.dtype),
-                        "rope_deltas": mx.array(np.array(deltas, np.int32).reshape(-1, 1))}
+        if features is not None:
+            return super().merge(input_ids, None, mx.array(np.ones(input_ids.shape, np.int32)), inputs, features)
+        length = input_ids.shape[1]
+        positions = mx.broadcast_to(mx.arange(length)[None, None], (3, 1, length))
+        return (self.model.language_model.model.embed_tokens(input_ids),
+                {**inputs, "position_ids": positions, "rope_deltas": mx.zeros((1, 1), mx.int32)})
 
     def chunk_kwargs(self, kwargs: dict, start: int, stop: int) -> dict:
         return {**kwargs, "position_ids": kwargs["position_ids"][:, :, start:stop]}
