@@ -114,8 +114,10 @@ class Prefill:
             # prompt caching does.
             self.cache = cache
             self.position = reused
-            self.input_ids = self.input_ids[:, reused:]
-            if not text_only:
+            if text_only:  # the ids embedded are already the rest's
+                self.input_ids = ids
+            else:
+                self.input_ids = self.input_ids[:, reused:]
                 self.embeds = self.embeds[:, reused:]
         mx.async_eval(self.embeds)
         return req.num_prompt_tokens if req.has_media else 1
