@@ -105,6 +105,24 @@ def time_behind_queued_work(call) -> tuple[float, float]:
     return spent, took
 
 
+def assert_embeds_without_waiting(family, ids, inputs: dict, features=None) -> None:
+    """``family`` embeds a prompt as the engine does, then takes the row's state (read
+    when it joins the batch) and its first prefill chunk's arguments, all while device
+    work queued just before still runs: nothing of it was read back from the device,
+    where each read would wait for all of that work."""
+    import mlx.core as mx
+
+    mx.eval(family.embed(ids, inputs, features=features)[0])  # first use's setup, not timed
+
+    def embed():
+        _, kwargs = family.embed(mx.array(np.asarray(ids)), inputs, features=features)
+        family.row_state(kwargs, None)
+        family.chunk_kwargs(kwargs, 0, ids.shape[1] // 2)
+
+    spent, queued = time_behind_queued_work(embed)
+    assert spent < queued / 4, f"embedding took {spent:.2f} s behind {queued:.2f} s of queued work"
+
+
 def wait_until(condition, timeout: float = 10.0) -> None:
     """Poll ``condition()`` until it holds; fail after ``timeout`` seconds. For state the
     worker thread settles after a request's last event (a finished row leaves the batch

@@ -11,13 +11,12 @@ it."""
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from vlm_serve.engine.families import glm4v_tower
 from vlm_serve.mlx_runtime import cuda_available
 
-from conftest import engine_and_plain, make_image, prompt_inputs, time_behind_queued_work
+from conftest import assert_embeds_without_waiting, engine_and_plain, make_image, prompt_inputs
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -63,16 +62,8 @@ def test_embedding_a_prompt_waits_for_no_queued_work(models):
     """The tower call, the merge and the row's rope delta are all built while work
     queued before them still runs. The model code waits for all of it."""
     loaded, _ = models
-    family = loaded.family
     ids, inputs = prompt_inputs(loaded, [make_image(64, 48, 7), make_image(48, 64, 8)])
-    mx.eval(family.embed(ids, inputs)[0])  # first use's setup, not timed
-
-    def embed():
-        _, kwargs = family.embed(mx.array(np.asarray(ids)), inputs)
-        family.row_state(kwargs, None)  # the row's rope delta, read when it joins the batch
-
-    spent, queued = time_behind_queued_work(embed)
-    assert spent < queued / 4, f"embedding took {spent:.2f} s behind {queued:.2f} s of queued work"
+    assert_embeds_without_waiting(loaded.family, ids, inputs)
 
 
 def test_no_attention_piece_is_empty(models, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 from vlm_serve.engine.families import family_for
 from vlm_serve.engine.loader import load
 
-from conftest import make_image, prompt_inputs, time_behind_queued_work
+from conftest import assert_embeds_without_waiting, make_image, prompt_inputs
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl-float32", "qwen2_5_vl-bfloat16", "qwen2_vl-float32"])
@@ -95,12 +95,4 @@ def test_embedding_a_prompt_waits_for_no_queued_work(loaded):
     family = loaded.family
     ids, inputs = prompt_inputs(loaded, [make_image(56, 56, 7)])
     features = family.encode_images(ids, inputs["pixel_values"], inputs)
-    rest = _without_pixels(inputs)
-    mx.eval(features, family.embed(ids, rest, features=features)[0])  # first use's setup, not timed
-
-    def embed():
-        _, kwargs = family.embed(mx.array(np.asarray(ids)), rest, features=features)
-        family.row_state(kwargs, None)  # the row's rope delta, read when it joins the batch
-
-    spent, queued = time_behind_queued_work(embed)
-    assert spent < queued / 4, f"embedding took {spent:.2f} s behind {queued:.2f} s of queued work"
+    assert_embeds_without_waiting(family, ids, _without_pixels(inputs), features)
