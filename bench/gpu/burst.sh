@@ -34,8 +34,8 @@
 # GELU (split-256-cube: VLM_SERVE_DECODE_SPLIT=256,8 VLM_SERVE_TOWER_GELU=cube), with the
 # residual add between two norms reading a row's elements again each pass instead of
 # keeping them in registers (norms-passes: VLM_SERVE_ADD_NORM=passes, the default before
-# registers), with decode steps' down projections padded to 264 rows instead of 320
-# (fine-pad: VLM_SERVE_PAD_SIZES=fine). mlx-vlm runs once after them,
+# registers), with decode steps' down projections padded to 320 rows instead of 264
+# (coarse-pad: VLM_SERVE_PAD_SIZES=coarse, the default before 264). mlx-vlm runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -69,7 +69,7 @@ for variant in ${VARIANTS:-default}; do
     own-loads) settings="VLM_SERVE_ATTENTION_PIPELINE=0" ;;
     split-256-cube) settings="VLM_SERVE_DECODE_SPLIT=256,8 VLM_SERVE_TOWER_GELU=cube" ;;
     norms-passes) settings="VLM_SERVE_ADD_NORM=passes" ;;
-    fine-pad) settings="VLM_SERVE_PAD_SIZES=fine" ;;
+    coarse-pad) settings="VLM_SERVE_PAD_SIZES=coarse" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

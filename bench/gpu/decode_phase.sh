@@ -34,10 +34,10 @@
 #   norms-burst  the burst as it is and with the norms' passes form, in turned order;
 #             mlx-vlm once
 #   pad       the compiled step's kernels (ncu) at 64 rows with the down projection padded
-#             to 320 rows (as it is) and to 264 (VLM_SERVE_PAD_SIZES=fine: the floor
+#             to 320 rows (VLM_SERVE_PAD_SIZES=coarse) and to 264 (as it is: the floor
 #             checked at load must come out at 264 for it to change anything; the log
 #             says), twice each, alternating
-#   pad-burst  the burst as it is and with VLM_SERVE_PAD_SIZES=fine, in turned order;
+#   pad-burst  the burst as it is and with VLM_SERVE_PAD_SIZES=coarse, in turned order;
 #             mlx-vlm once
 #   split-burst  the burst as it is and with 256 columns on 8 warps and the cube GELU
 #             (burst.sh's split-256-cube), in turned order; mlx-vlm once
@@ -234,4 +234,4 @@ if has pad; then
   archive pad
 fi
 
-if has pad-burst; then turned_bursts pad-burst "default fine-pad"; fi
+if has pad-burst; then turned_bursts pad-burst "default coarse-pad"; fi

@@ -5,8 +5,8 @@ On H100 and H200 cards (MLX 0.32.4), MLX's matmul gives a row the same bits what
 the other rows of its pass hold, and wherever the row sits in it. Across pass sizes it
 does so too, once a pass has enough rows:
 - 8 rows for most of the Gemma-3-4B shape's layers;
-- 264 rows for its down projection, 320 in ``SIZES`` (below that, likely, its long
-  input dimension is split across blocks, whose sums meet in another order);
+- 264 rows for its down projection (below that, likely, its long input dimension is
+  split across blocks, whose sums meet in another order);
 - one row alone takes a gemv of its own.
 (``bench/results/gpu-h200-mlx-matmul-rows``, ``bench/results/gpu-h100-padded-matmul``.)
 
@@ -39,12 +39,12 @@ from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 
 # The pass sizes a padded pass may take, in rows: steps of 64 up to the largest, and
 # every number of slots a decode step may have from 8 up (``decode.store``'s buckets),
-# so that a step of any of them multiplies its own rows, none padded.
-# VLM_SERVE_PAD_SIZES=fine adds every 8 rows from 264 to 312: the Gemma-3-4B shape's down
-# projection keeps a row's bits from 264 rows on an H200, so a decode step below that
-# would pad it to 264 instead of 320 (~17% less of its work). Off until a GPU has timed
-# both (bench/gpu/decode_phase.sh's pad part): cuBLAS may pick a slower kernel there.
-FINE_SIZES = tuple(range(264, 320, 8)) if os.environ.get("VLM_SERVE_PAD_SIZES") == "fine" else ()
+# so that a step of any of them multiplies its own rows, none padded. Every 8 rows from
+# 264 to 312 as well: the Gemma-3-4B shape's down projection keeps a row's bits from 264
+# rows on an H200, so a decode step pads it to 264 instead of 320. Under ncu its 68
+# launches (two 64-row steps) took 2.04 ms against 2.65-2.67
+# (bench/results/gpu-h200-fine-pad). VLM_SERVE_PAD_SIZES=coarse leaves them out.
+FINE_SIZES = () if os.environ.get("VLM_SERVE_PAD_SIZES") == "coarse" else tuple(range(264, 320, 8))
 SIZES = tuple(sorted({8, 16, 24, 32, 48, 96, *range(64, 2049, 64), *FINE_SIZES}))
 # A floor above this costs a decode step more in padding than the row-exact kernel.
 MAX_FLOOR = 512
