@@ -16,7 +16,9 @@
 # VLM_SERVE_TOWER_GELU=cube) or that chain in one kernel (gelu-kernel:
 # VLM_SERVE_TOWER_GELU=kernel), with
 # MLX's CUDA graphs on (cuda-graphs: MLX_USE_CUDA_GRAPHS=1; cuda-graphs-100: also
-# MLX_MAX_OPS_PER_BUFFER=100), with Gemma 3's
+# MLX_MAX_OPS_PER_BUFFER=100; graphs-cache: with room for 4,000 graphs in MLX's cache
+# instead of 100, MLX_CUDA_GRAPH_CACHE_SIZE=4000; graphs-cache-40: that and 40 kernels a
+# graph instead of 20, MLX_MAX_OPS_PER_BUFFER=40), with Gemma 3's
 # prefill passes on the model code's ops (model-prefill: VLM_SERVE_FUSED_PREFILL=0), with
 # every cached prefix reused however short (short-prefixes:
 # VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1), with Python's switch interval at 0.5 ms instead
@@ -61,6 +63,8 @@ for variant in ${VARIANTS:-default}; do
     gelu-kernel) settings="VLM_SERVE_TOWER_GELU=kernel" ;;
     cuda-graphs) settings="MLX_USE_CUDA_GRAPHS=1" ;;
     cuda-graphs-100) settings="MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=100" ;;
+    graphs-cache) settings="MLX_USE_CUDA_GRAPHS=1 MLX_CUDA_GRAPH_CACHE_SIZE=4000" ;;
+    graphs-cache-40) settings="MLX_USE_CUDA_GRAPHS=1 MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_MAX_OPS_PER_BUFFER=40" ;;
     model-prefill) settings="VLM_SERVE_FUSED_PREFILL=0" ;;
     short-prefixes) settings="VLM_SERVE_PREFIX_CACHE_MIN_TOKENS=1" ;;
     commit-200) settings="MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=2000" ;;
