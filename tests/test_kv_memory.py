@@ -491,22 +491,66 @@ def test_rows_join_with_one_update_per_layer_and_leave_without_moving():
 
 
 def test_freed_buffers_kept_by_mlx_are_capped_under_the_devices_share(monkeypatch):
-    """MLX's cache of freed buffers is capped so that it, the weights and the KV limit
-    stay under ``BUFFER_CACHE_CEILING`` of the device (at least ``MIN_BUFFER_CACHE``)."""
+    """MLX's cache of freed buffers is capped so that it, the weights and the KV that
+    admitted requests reserve stay under ``BUFFER_CACHE_CEILING`` of the device (at
+    least ``MIN_BUFFER_CACHE``); idle, under what the whole KV limit leaves. (The device's
+    size is made up, so the arithmetic reads in round numbers.)"""
     from vlm_serve.engine import memory
-    from vlm_serve.engine.memory import BUFFER_CACHE_CEILING, MIN_BUFFER_CACHE, bound_buffer_cache
+    from vlm_serve.engine.memory import BUFFER_CACHE_CEILING, MIN_BUFFER_CACHE, BufferCacheBound
 
     gib = 1 << 30
     monkeypatch.setattr(memory, "device_memory", lambda: (100 * gib, "a test device"))
     monkeypatch.setattr(memory, "weights_bytes", lambda model: 8 * gib)
+    room = int(BUFFER_CACHE_CEILING * 100 * gib) - 8 * gib
     previous = mx.set_cache_limit(0)
     try:
-        cap = bound_buffer_cache(50 * gib, model=None)
-        assert cap == int(BUFFER_CACHE_CEILING * 100 * gib) - 58 * gib
-        assert mx.set_cache_limit(0) == cap  # what MLX was given
-        assert bound_buffer_cache(90 * gib, model=None) == MIN_BUFFER_CACHE
+        bound = BufferCacheBound(50 * gib, model=None)
+        assert bound.idle_cap == room - 50 * gib
+        assert mx.set_cache_limit(bound.idle_cap) == bound.idle_cap  # what MLX was given
+        assert bound.busy(10 * gib) == room - 10 * gib
+        assert mx.set_cache_limit(bound.cap) == room - 10 * gib
+        assert bound.busy(90 * gib) == MIN_BUFFER_CACHE
+        assert bound.idle() == room - 50 * gib
+        assert BufferCacheBound(90 * gib, model=None).idle_cap == MIN_BUFFER_CACHE
     finally:
         mx.set_cache_limit(previous)
+
+
+def test_a_nearly_full_buffer_cache_is_trimmed_and_an_idle_one_let_go(monkeypatch):
+    """A cache at ``TRIM_AT`` of its cap is capped at half for a turn, so MLX frees its
+    least recently used buffers and caches what is freed next (a full cache caches
+    nothing); the next turn has the whole cap again. An idle server lets go of what is
+    over its idle cap. Real buffers on this machine's MLX, a made-up device size."""
+    from vlm_serve.engine import memory
+    from vlm_serve.engine.memory import BufferCacheBound
+
+    mib = 1 << 20
+    monkeypatch.setattr(memory, "MIN_BUFFER_CACHE", 64 * mib)
+    monkeypatch.setattr(memory, "device_memory", lambda: (1000 * mib, "a test device"))
+    monkeypatch.setattr(memory, "weights_bytes", lambda model: 0)
+    previous = mx.set_cache_limit(0)
+    mx.clear_cache()
+    try:
+        bound = BufferCacheBound(836 * mib, model=None)  # idle: 900 - 836 = 64 MiB
+        bound.busy(800 * mib)  # a cap of 100 MiB
+        assert bound.cap == 100 * mib
+        buffers = [mx.ones((mib // 4,)) for _ in range(95)]  # 95 buffers of 1 MiB
+        mx.eval(buffers)
+        del buffers
+        assert mx.get_cache_memory() >= 90 * mib
+        assert bound.busy(800 * mib) == 50 * mib and bound.trims == 1
+        mx.eval(mx.ones((mib // 4,)))  # an allocation: MLX keeps the cache under the cap
+        assert mx.get_cache_memory() <= 50 * mib
+        assert bound.busy(800 * mib) == 100 * mib
+        buffers = [mx.ones((mib // 4,)) for _ in range(80)]
+        mx.eval(buffers)
+        del buffers
+        assert mx.get_cache_memory() > 64 * mib
+        bound.idle()
+        assert mx.get_cache_memory() <= 64 * mib and bound.cap == 64 * mib
+    finally:
+        mx.set_cache_limit(previous)
+        mx.clear_cache()
 
 
 def test_a_prefix_shorter_than_the_minimum_is_prefilled_again():

@@ -37,7 +37,9 @@
 # residual add between two norms reading a row's elements again each pass instead of
 # keeping them in registers (norms-passes: VLM_SERVE_ADD_NORM=passes, the default before
 # registers), with decode steps' down projections padded to 320 rows instead of 264
-# (coarse-pad: VLM_SERVE_PAD_SIZES=coarse, the default before 264). mlx-vlm runs once after them,
+# (coarse-pad: VLM_SERVE_PAD_SIZES=coarse, the default before 264), with MLX's cache of
+# freed buffers capped at what the whole KV limit leaves, not what admitted requests
+# reserve (fixed-buffer-cache: VLM_SERVE_BUFFER_CACHE=fixed, the default before). mlx-vlm runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -74,6 +76,7 @@ for variant in ${VARIANTS:-default}; do
     split-256-cube) settings="VLM_SERVE_DECODE_SPLIT=256,8 VLM_SERVE_TOWER_GELU=cube" ;;
     norms-passes) settings="VLM_SERVE_ADD_NORM=passes" ;;
     coarse-pad) settings="VLM_SERVE_PAD_SIZES=coarse" ;;
+    fixed-buffer-cache) settings="VLM_SERVE_BUFFER_CACHE=fixed" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

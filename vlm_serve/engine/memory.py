@@ -42,10 +42,16 @@ DEFAULT_FRACTION = 0.8
 MIN_DEFAULT_FRACTION = 0.1
 # MLX keeps freed buffers for reuse, by default up to its own memory limit (95% of a
 # CUDA GPU). Buffers of shapes the server has stopped using then hold device memory
-# that a new shape cannot get. Weights, the KV limit and that cache together stay under
-# this share of the device; the rest is for the step's temporaries and the backend.
+# that a new shape cannot get. Weights, the KV that admitted requests may come to hold
+# and that cache together stay under this share of the device; the rest is for the
+# step's temporaries and the backend (see ``BufferCacheBound``).
 BUFFER_CACHE_CEILING = 0.9
 MIN_BUFFER_CACHE = 1 << 30
+# A cache this full of its cap is trimmed to half of it for a turn (see ``BufferCacheBound``).
+TRIM_AT = 0.9
+# VLM_SERVE_BUFFER_CACHE=fixed keeps the idle cap while requests are served too, and
+# never trims (the bound before it moved with the reservations), for comparison.
+FIXED_BUFFER_CACHE = os.environ.get("VLM_SERVE_BUFFER_CACHE") == "fixed"
 
 _BINARY = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -133,13 +139,57 @@ def resolve_limit(spec: str | None, model) -> tuple[int, str]:
     return limit, how
 
 
-def bound_buffer_cache(kv_limit: int, model) -> int:
-    """Cap MLX's cache of freed buffers so that it, the weights and ``kv_limit`` fit
-    ``BUFFER_CACHE_CEILING`` of the device (at least ``MIN_BUFFER_CACHE``); returns the cap."""
-    total, _ = device_memory()
-    cap = max(MIN_BUFFER_CACHE, int(BUFFER_CACHE_CEILING * total) - weights_bytes(model) - kv_limit)
-    mx.set_cache_limit(cap)
-    return cap
+class BufferCacheBound:
+    """The cap on MLX's cache of freed buffers, moved with the KV that admitted requests
+    may come to hold.
+
+    A full cache does not cache: MLX hands each buffer freed while the cache is at its
+    cap back to the driver, and each allocation the cache cannot serve goes to the
+    driver too. A cache fills with buffers of shapes no one asks for again (a resized
+    batch store, each prompt length's temporaries), and the server then allocates from
+    the driver for good. With the cap at the room less the whole KV limit (14 GB of an
+    H200), a 64-image burst's prefill steps spent 27% of the worker's samples in
+    ``cuMemAllocAsync`` and ``cuMemFree`` (py-spy, ``bench/gpu/burst_profile.sh``).
+
+    So, while requests are admitted, the cap is the room less what they reserve (the
+    weights, the reservation and the cache still stay under ``BUFFER_CACHE_CEILING``),
+    and a cache that reaches ``TRIM_AT`` of it is trimmed to half for a turn (MLX frees
+    the buffers used least recently). An idle server keeps at most what the whole KV
+    limit leaves, and lets go of the rest at once.
+    """
+
+    def __init__(self, kv_limit: int, model):
+        total, _ = device_memory()
+        # What the weights leave under the ceiling, for KV and the cache.
+        self.room = int(BUFFER_CACHE_CEILING * total) - weights_bytes(model)
+        self.idle_cap = max(MIN_BUFFER_CACHE, self.room - kv_limit)
+        self.cap: int | None = None
+        self.trims = 0  # times a full cache was trimmed
+        self._set(self.idle_cap)
+
+    def busy(self, kv_reserved: int) -> int:
+        """Requests are admitted, reserving ``kv_reserved`` bytes: cap the cache at the
+        room they leave (half of it for a turn where the cache is nearly that full)."""
+        if FIXED_BUFFER_CACHE:
+            return self._set(self.idle_cap)
+        cap = max(MIN_BUFFER_CACHE, self.room - kv_reserved)
+        if mx.get_cache_memory() >= TRIM_AT * cap:
+            cap //= 2
+            self.trims += 1
+        return self._set(cap)
+
+    def idle(self) -> int:
+        """Nothing admitted: keep at most what the whole KV limit leaves."""
+        self._set(self.idle_cap)
+        if mx.get_cache_memory() > self.idle_cap:
+            mx.clear_cache()  # an idle server allocates nothing that would trim it
+        return self.idle_cap
+
+    def _set(self, cap: int) -> int:
+        if cap != self.cap:
+            mx.set_cache_limit(cap)
+            self.cap = cap
+        return cap
 
 
 def mlx_memory() -> str:

@@ -30,7 +30,7 @@ from .decode.store import slot_bucket
 from .detokenize import TextAssembler
 from .families import Family
 from .grammar import GrammarCompiler, allowed_tokens
-from .memory import (Demand, Held, KVBudget, KVLayout, bound_buffer_cache, cache_bytes, format_bytes,
+from .memory import (BufferCacheBound, Demand, Held, KVBudget, KVLayout, cache_bytes, format_bytes,
                      mlx_memory, resolve_limit)
 from .prefill import Prefill, cache_key, prefix_cacheable
 from .prefill_batch import PrefillGroup
@@ -202,7 +202,10 @@ class Scheduler:
                           short_copies=self.prefix_cache is not None and windowed,
                           slots=_slot_count(self.batch))
         log.info("KV cache memory limit: %s (%s); %s", format_bytes(limit), how, layout.describe())
-        log.info("freed buffers kept for reuse: at most %s", format_bytes(bound_buffer_cache(limit, model)))
+        self.buffer_cache = BufferCacheBound(limit, model)
+        log.info("freed buffers kept for reuse: at most %s less the KV that admitted requests reserve "
+                 "(%s when idle)", format_bytes(max(self.buffer_cache.room, 0)),
+                 format_bytes(self.buffer_cache.idle_cap))
         return budget
 
     def stats(self) -> dict:
@@ -289,6 +292,10 @@ class Scheduler:
         self.kv_memory_used = self.kv_cache_bytes + prefills + prefixes
         self.kv_memory_reserved = self._reserved(self._demand()) + prefixes
         self.kv_memory_peak = max(self.kv_memory_peak, self.kv_memory_used)
+        if self.running or self.prefilling or self._inflight:
+            self.buffer_cache.busy(self.kv_memory_reserved)
+        else:
+            self.buffer_cache.idle()
 
     # -- the loop ---------------------------------------------------------------------
 
