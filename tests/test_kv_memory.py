@@ -553,6 +553,19 @@ def test_a_nearly_full_buffer_cache_is_trimmed_and_an_idle_one_let_go(monkeypatc
         mx.clear_cache()
 
 
+def test_the_buffer_cache_cap_follows_the_reservations_and_returns_when_idle(start_server):
+    """While a request is served the cap is the room its reservation leaves, above the
+    idle cap; once the server is idle again, the idle cap."""
+    server = start_server("gemma3", max_num_seqs=2)
+    bound = server.scheduler.buffer_cache
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=user("count with me"), max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    caps = [bound.cap for _ in stream]
+    assert bound.idle_cap < max(caps) < bound.room  # the room less a reservation
+    wait_until(lambda: bound.cap == bound.idle_cap)
+
+
 def test_a_prefix_shorter_than_the_minimum_is_prefilled_again():
     """With ``min_reuse`` (``--prefix-cache-min-tokens``), a stored prefix shorter than it
     is neither counted as reusable nor copied; one at least that long is."""
