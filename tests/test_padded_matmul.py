@@ -45,7 +45,7 @@ def _layers():
     return [("linear", linear, 64), ("quantized", quantized, 128), ("table", nn.Embedding(200, 64), 64)]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 300, 2100])
+@pytest.mark.parametrize("rows", [1, 5, 300, 2100, 4200])  # 4,200: past the largest size, in pieces
 def test_a_padded_pass_gives_each_row_the_plain_products_bits(rows):
     for name, layer, width in _layers():
         x = mx.random.normal((rows, 1, width))

@@ -39,7 +39,9 @@
 # registers), with decode steps' down projections padded to 320 rows instead of 264
 # (coarse-pad: VLM_SERVE_PAD_SIZES=coarse, the default before 264), with MLX's cache of
 # freed buffers capped at what the whole KV limit leaves, not what admitted requests
-# reserve (fixed-buffer-cache: VLM_SERVE_BUFFER_CACHE=fixed, the default before). mlx-vlm runs once after them,
+# reserve (fixed-buffer-cache: VLM_SERVE_BUFFER_CACHE=fixed, the default before), with
+# padded passes of at most 2,048 rows, longer ones in pieces (pad-largest-2048:
+# VLM_SERVE_PAD_LARGEST=2048, the default before 4,096). mlx-vlm runs once after them,
 # unless MLX_VLM=0.
 set -uo pipefail
 PRESET=${1:-gemma3-4b}
@@ -77,6 +79,7 @@ for variant in ${VARIANTS:-default}; do
     norms-passes) settings="VLM_SERVE_ADD_NORM=passes" ;;
     coarse-pad) settings="VLM_SERVE_PAD_SIZES=coarse" ;;
     fixed-buffer-cache) settings="VLM_SERVE_BUFFER_CACHE=fixed" ;;
+    pad-largest-2048) settings="VLM_SERVE_PAD_LARGEST=2048" ;;
     switch-0.5ms)
       mkdir -p "$OUT/switch-site"
       echo 'import sys; sys.setswitchinterval(0.0005)' > "$OUT/switch-site/sitecustomize.py"

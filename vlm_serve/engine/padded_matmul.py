@@ -11,12 +11,12 @@ does so too, once a pass has enough rows:
 (``bench/results/gpu-h200-mlx-matmul-rows``, ``bench/results/gpu-h100-padded-matmul``.)
 
 Neither MLX nor cuBLAS promises any of this, so it is checked at load for each layer
-shape, over every pass size the engine may issue (``SIZES``); for that model, about 2 s.
-A shape's floor is the smallest size from which every larger one gives probe rows the
-same bits, placed first in the pass or last. A pass is then padded with zero rows up to
-the next size at or above the floor; a pass longer than the largest size goes in pieces
-of it. A shape without a floor low enough to pay (``MAX_FLOOR``) stays on the row-exact
-kernel (``cuda_matmul``).
+shape, over every pass size the engine may issue (``SIZES``): for that model about 2 s
+when the sizes ended at 2,048 rows. A shape's floor is the smallest size from which
+every larger one gives probe rows the same bits, placed first in the pass or last. A
+pass is then padded with zero rows up to the next size at or above the floor; a pass
+longer than the largest size goes in pieces of it. A shape without a floor low enough
+to pay (``MAX_FLOOR``) stays on the row-exact kernel (``cuda_matmul``).
 
 The default on CUDA (``row_exact``). On an H200, against the kernel: a burst of 64
 image requests in 6.4 instead of 17.7 s (mlx-vlm: 9.2 s), and 0.72x the tokens/s of a
@@ -37,15 +37,21 @@ import numpy as np
 from ..mlx_runtime import cuda_available, exact_grid_block
 from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 
-# The pass sizes a padded pass may take, in rows: steps of 64 up to the largest, and
-# every number of slots a decode step may have from 8 up (``decode.store``'s buckets),
-# so that a step of any of them multiplies its own rows, none padded. Every 8 rows from
+# The pass sizes a padded pass may take, in rows: steps of 64 up to 4,096, and every
+# number of slots a decode step may have from 8 up (``decode.store``'s buckets), so
+# that a step of any of them multiplies its own rows, none padded. 4,096 is a GPU's
+# prefill budget a turn, which one pass shared by several prompts may fill: a pass past
+# the largest size goes in pieces, each a matmul more and their concatenation a copy of
+# the whole output (a burst's shared passes of ~3,500 tokens went in two, each layer's
+# four products ~200 MB of copies at the Gemma-3-4B shape; VLM_SERVE_PAD_LARGEST=2048
+# ends the sizes there, as before, for comparison). Every 8 rows from
 # 264 to 312 as well: the Gemma-3-4B shape's down projection keeps a row's bits from 264
 # rows on an H200, so a decode step pads it to 264 instead of 320. Under ncu its 68
 # launches (two 64-row steps) took 2.04 ms against 2.65-2.67
 # (bench/results/gpu-h200-fine-pad). VLM_SERVE_PAD_SIZES=coarse leaves them out.
 FINE_SIZES = () if os.environ.get("VLM_SERVE_PAD_SIZES") == "coarse" else tuple(range(264, 320, 8))
-SIZES = tuple(sorted({8, 16, 24, 32, 48, 96, *range(64, 2049, 64), *FINE_SIZES}))
+LARGEST = int(os.environ.get("VLM_SERVE_PAD_LARGEST", "4096"))
+SIZES = tuple(sorted({8, 16, 24, 32, 48, 96, *range(64, LARGEST + 1, 64), *FINE_SIZES}))
 # A floor above this costs a decode step more in padding than the row-exact kernel.
 MAX_FLOOR = 512
 PROBE_ROWS = 8
