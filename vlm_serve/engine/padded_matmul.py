@@ -37,20 +37,21 @@ import numpy as np
 from ..mlx_runtime import cuda_available, exact_grid_block
 from .cuda_matmul import in_weight_dtype, own_bias, quantized, weight_dtype
 
-# The pass sizes a padded pass may take, in rows: steps of 64 up to 4,096, and every
-# number of slots a decode step may have from 8 up (``decode.store``'s buckets), so
-# that a step of any of them multiplies its own rows, none padded. 4,096 is a GPU's
-# prefill budget a turn, which one pass shared by several prompts may fill: a pass past
-# the largest size goes in pieces, each a matmul more and their concatenation a copy of
-# the whole output (a burst's shared passes of ~3,500 tokens went in two, each layer's
-# four products ~200 MB of copies at the Gemma-3-4B shape; VLM_SERVE_PAD_LARGEST=2048
-# ends the sizes there, as before, for comparison). Every 8 rows from
-# 264 to 312 as well: the Gemma-3-4B shape's down projection keeps a row's bits from 264
-# rows on an H200, so a decode step pads it to 264 instead of 320. Under ncu its 68
-# launches (two 64-row steps) took 2.04 ms against 2.65-2.67
-# (bench/results/gpu-h200-fine-pad). VLM_SERVE_PAD_SIZES=coarse leaves them out.
-FINE_SIZES = () if os.environ.get("VLM_SERVE_PAD_SIZES") == "coarse" else tuple(range(264, 320, 8))
+# The pass sizes a padded pass may take, in rows: steps of 64 up to ``LARGEST``, and
+# every number of slots a decode step may have from 8 up (``decode.store``'s buckets),
+# so that a step of any of them multiplies its own rows, none padded.
+#
+# ``LARGEST`` is a GPU turn's prefill budget, which one pass shared by several prompts
+# may fill. A pass past it goes in pieces, each a matmul more and their concatenation a
+# copy of the whole output: a burst's shared passes of ~3,500 tokens went in two when
+# the sizes ended at 2,048, ~200 MB of copies a layer at the Gemma-3-4B shape
+# (VLM_SERVE_PAD_LARGEST=2048 ends them there again, for comparison).
 LARGEST = int(os.environ.get("VLM_SERVE_PAD_LARGEST", "4096"))
+# ``FINE_SIZES``: every 8 rows from 264 to 312 as well. The Gemma-3-4B shape's down
+# projection keeps a row's bits from 264 rows on an H200, so a decode step pads it to
+# 264 instead of 320; under ncu its 68 launches (two 64-row steps) took 2.04 ms against
+# 2.65-2.67 (bench/results/gpu-h200-fine-pad). VLM_SERVE_PAD_SIZES=coarse leaves them out.
+FINE_SIZES = () if os.environ.get("VLM_SERVE_PAD_SIZES") == "coarse" else tuple(range(264, 320, 8))
 SIZES = tuple(sorted({8, 16, 24, 32, 48, 96, *range(64, LARGEST + 1, 64), *FINE_SIZES}))
 # A floor above this costs a decode step more in padding than the row-exact kernel.
 MAX_FLOOR = 512
