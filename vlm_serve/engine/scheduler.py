@@ -915,12 +915,13 @@ class Scheduler:
         if self.running or self.waiting or self.prefilling or self._stats["generated"]:
             log.info(
                 "engine: running=%d prefilling=%d waiting=%d generation=%.1f tokens/s "
-                "kv_memory=%s reserved=%s limit=%s prefix_cache=%d entries %s; %s",
+                "kv_memory=%s reserved=%s limit=%s prefix_cache=%d entries %s mlx_cache_cap=%s "
+                "(trimmed %d times); %s",
                 len(self.running), len(self.prefilling), len(self.waiting),
                 self._stats["generated"] / elapsed, format_bytes(self.kv_memory_used),
                 format_bytes(self.kv_memory_reserved), format_bytes(self.memory.limit),
                 len(self.prefix_cache) if self.prefix_cache is not None else 0, mlx_memory(),
-                self.decode_times.describe(),
+                format_bytes(self.buffer_cache.cap), self.buffer_cache.trims, self.decode_times.describe(),
             )
         self._stats = {"generated": 0, "since": now}
         self.decode_times.reset()
