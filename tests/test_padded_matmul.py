@@ -250,3 +250,11 @@ def test_an_engine_on_padded_products_serves_each_row_as_alone(padded_as_if_cuda
     finally:
         engine.shutdown()
         alone.shutdown()
+
+
+def test_the_startup_line_names_each_checked_shapes_floor_and_the_checks_time():
+    layer = nn.Linear(48, 72, bias=False)
+    floor = padded_matmul.floor_of(layer)
+    line = padded_matmul.describe()
+    assert f"72x48 mlx.core.float32: from {floor} rows" in line
+    assert re.search(r"\(checked in \d+\.\d s\)$", line)

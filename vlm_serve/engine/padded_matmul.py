@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -91,13 +92,17 @@ def _shape_key(module: nn.Module) -> tuple:
 def floor_of(module: nn.Module) -> int | None:
     """The smallest pass size from which ``module``'s shape keeps a row's bits, or None
     (checked once per shape, on first sight: call it outside a compiled function)."""
+    global _CHECK_SECONDS
     key = _shape_key(module)
     if key not in _FLOORS:
+        started = time.perf_counter()
         _FLOORS[key] = check(module)
+        _CHECK_SECONDS += time.perf_counter() - started
     return _FLOORS[key]
 
 
 _FLOORS: dict[tuple, int | None] = {}  # by layer shape
+_CHECK_SECONDS = 0.0  # spent checking them, for the startup log
 
 
 def check(module: nn.Module) -> int | None:
@@ -133,9 +138,10 @@ def check(module: nn.Module) -> int | None:
 
 def describe() -> str:
     """The shapes checked so far and their floors, for the startup log."""
-    return "; ".join(f"{'x'.join(map(str, key[0]))} {key[1]}: "
-                     f"{'from ' + str(floor) + ' rows' if floor else 'the kernel'}"
-                     for key, floor in _FLOORS.items())
+    floors = "; ".join(f"{'x'.join(map(str, key[0]))} {key[1]}: "
+                       f"{'from ' + str(floor) + ' rows' if floor else 'the kernel'}"
+                       for key, floor in _FLOORS.items())
+    return f"{floors} (checked in {_CHECK_SECONDS:.1f} s)"
 
 
 def _near_dequantized(rows: mx.array, module: nn.Module, checked: int = 64) -> bool:
