@@ -39,7 +39,7 @@
 # registers), with decode steps' down projections padded to 320 rows instead of 264
 # (coarse-pad: VLM_SERVE_PAD_SIZES=coarse, the default before 264), with MLX's cache of
 # freed buffers capped at what the whole KV limit leaves, not what admitted requests
-# reserve (fixed-buffer-cache: VLM_SERVE_BUFFER_CACHE=fixed, the default before), with
+# reserve (fixed-buffer-cache: VLM_SERVE_BUFFER_CACHE=fixed, CUDA's default before), with
 # padded passes of at most 2,048 rows, longer ones in pieces (pad-largest-2048:
 # VLM_SERVE_PAD_LARGEST=2048, the default before 4,096). mlx-vlm runs once after them,
 # unless MLX_VLM=0.

@@ -49,9 +49,6 @@ BUFFER_CACHE_CEILING = 0.9
 MIN_BUFFER_CACHE = 1 << 30
 # A cache this full of its cap is trimmed to half of it for a turn (see ``BufferCacheBound``).
 TRIM_AT = 0.9
-# VLM_SERVE_BUFFER_CACHE=fixed keeps the idle cap while requests are served too, and
-# never trims (the bound before it moved with the reservations), for comparison.
-FIXED_BUFFER_CACHE = os.environ.get("VLM_SERVE_BUFFER_CACHE") == "fixed"
 
 _BINARY = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -151,18 +148,21 @@ class BufferCacheBound:
     H200), a 64-image burst's prefill steps spent 27% of the worker's samples in
     ``cuMemAllocAsync`` and ``cuMemFree`` (py-spy, ``bench/gpu/burst_profile.sh``).
 
-    So, while requests are admitted, the cap is the room less what they reserve (the
-    weights, the reservation and the cache still stay under ``BUFFER_CACHE_CEILING``),
-    and a cache that reaches ``TRIM_AT`` of it is trimmed to half for a turn (MLX frees
-    the buffers used least recently). An idle server keeps at most what the whole KV
-    limit leaves, and lets go of the rest at once.
+    So, on a CUDA GPU, while requests are admitted, the cap is the room less what they
+    reserve (the weights, the reservation and the cache still stay under
+    ``BUFFER_CACHE_CEILING``), and a cache that reaches ``TRIM_AT`` of it is trimmed to
+    half for a turn (MLX frees the buffers used least recently). An idle server keeps at
+    most what the whole KV limit leaves, and lets go of the rest at once. Elsewhere the
+    device's memory is the system's too, and the cap stays at that idle one
+    (``VLM_SERVE_BUFFER_CACHE``: ``moving`` or ``fixed`` picks either anywhere).
     """
 
-    def __init__(self, kv_limit: int, model):
+    def __init__(self, kv_limit: int, model, moving: bool | None = None):
         total, _ = device_memory()
         # What the weights leave under the ceiling, for KV and the cache.
         self.room = int(BUFFER_CACHE_CEILING * total) - weights_bytes(model)
         self.idle_cap = max(MIN_BUFFER_CACHE, self.room - kv_limit)
+        self.moving = _moving_by_default() if moving is None else moving
         self.cap: int | None = None
         self.trims = 0  # times a full cache was trimmed
         self._set(self.idle_cap)
@@ -170,7 +170,7 @@ class BufferCacheBound:
     def busy(self, kv_reserved: int) -> int:
         """Requests are admitted, reserving ``kv_reserved`` bytes: cap the cache at the
         room they leave (half of it for a turn where the cache is nearly that full)."""
-        if FIXED_BUFFER_CACHE:
+        if not self.moving:
             return self._set(self.idle_cap)
         cap = max(MIN_BUFFER_CACHE, self.room - kv_reserved)
         if mx.get_cache_memory() >= TRIM_AT * cap:
@@ -190,6 +190,15 @@ class BufferCacheBound:
             mx.set_cache_limit(cap)
             self.cap = cap
         return cap
+
+
+def _moving_by_default() -> bool:
+    setting = os.environ.get("VLM_SERVE_BUFFER_CACHE")
+    if setting in ("moving", "fixed"):
+        return setting == "moving"
+    from ..mlx_runtime import cuda_available
+
+    return cuda_available()
 
 
 def mlx_memory() -> str:
