@@ -167,13 +167,14 @@ class BufferCacheBound:
         self.trims = 0  # times a full cache was trimmed
         self._set(self.idle_cap)
 
-    def busy(self, kv_reserved: int) -> int:
+    def busy(self, kv_reserved: int, trim: bool = True) -> int:
         """Requests are admitted, reserving ``kv_reserved`` bytes: cap the cache at the
-        room they leave (half of it for a turn where the cache is nearly that full)."""
+        room they leave (half of it for a turn where the cache is nearly that full, if
+        ``trim``: once a turn)."""
         if not self.moving:
             return self._set(self.idle_cap)
         cap = max(MIN_BUFFER_CACHE, self.room - kv_reserved)
-        if mx.get_cache_memory() >= TRIM_AT * cap:
+        if trim and mx.get_cache_memory() >= TRIM_AT * cap:
             cap //= 2
             self.trims += 1
         return self._set(cap)

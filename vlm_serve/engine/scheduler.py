@@ -342,6 +342,11 @@ class Scheduler:
         reallocations = store.reallocations if store is not None else 0
         self._turns += 1
         self._admit()
+        if self._admissions and self._admissions[-1] == self._turns:
+            # Lower the buffer cache's cap to what the new reservations leave before
+            # their prefill allocates (``_account`` sets it again after the turn).
+            prefixes = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+            self.buffer_cache.busy(self._reserved(self._demand()) + prefixes, trim=False)
         budget, passes = self.config.prefill_token_budget, 0
         while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
             budget -= self._prefill_step()
