@@ -39,6 +39,9 @@
 #             says), twice each, alternating
 #   pad-burst  the burst as it is and with VLM_SERVE_PAD_SIZES=coarse, in turned order;
 #             mlx-vlm once
+#   alloc-burst  the burst as it is, with MLX's buffer cache capped as before (burst.sh's
+#             fixed-buffer-cache) and with padded passes of at most 2,048 rows
+#             (pad-largest-2048), in turned order; mlx-vlm once
 #   split-burst  the burst as it is and with 256 columns on 8 warps and the cube GELU
 #             (burst.sh's split-256-cube), in turned order; mlx-vlm once
 # Each part leaves $OUT/PART.tgz (a run's many files do not all come back from a device
@@ -55,6 +58,7 @@
 #   OUT=DIR PARTS="split split-burst" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="norms norms-burst" bash bench/gpu/decode_phase.sh
 #   OUT=DIR PARTS="pad pad-burst" bash bench/gpu/decode_phase.sh
+#   OUT=DIR PARTS=alloc-burst bash bench/gpu/decode_phase.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-decode-phase}
 PARTS=${PARTS:-pacing tower variants rounds budget candidates pipeline pipeline-burst gelu-burst split split-burst norms norms-burst pad pad-burst}
@@ -79,7 +83,9 @@ summarize() {  # the headline numbers of each burst result under $1
 import json, os, sys
 d = json.load(open(sys.argv[1]))
 keys = ("wall_s", "ttft_mean_s", "ttft_max_s", "step_traces", "rounds")
-print(os.path.basename(sys.argv[1]), {k: d[k] for k in keys if k in d})
+parts = d.get("worker_ms_to_last_first_token", {})  # [wall, CPU] ms up to the last first token
+print(os.path.basename(sys.argv[1]), {k: d[k] for k in keys if k in d},
+      {k: parts[k] for k in ("prefill step", "shared pass", "embed", "decode step") if k in parts})
 PY
   done
 }
@@ -235,3 +241,5 @@ if has pad; then
 fi
 
 if has pad-burst; then turned_bursts pad-burst "default coarse-pad"; fi
+
+if has alloc-burst; then turned_bursts alloc-burst "default fixed-buffer-cache pad-largest-2048"; fi
