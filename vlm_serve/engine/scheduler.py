@@ -202,10 +202,12 @@ class Scheduler:
                           short_copies=self.prefix_cache is not None and windowed,
                           slots=_slot_count(self.batch))
         log.info("KV cache memory limit: %s (%s); %s", format_bytes(limit), how, layout.describe())
-        self.buffer_cache = BufferCacheBound(limit, model)
-        log.info("freed buffers kept for reuse: at most %s less the KV that admitted requests reserve "
-                 "(%s when idle)", format_bytes(max(self.buffer_cache.room, 0)),
-                 format_bytes(self.buffer_cache.idle_cap))
+        self.buffer_cache = bound = BufferCacheBound(limit, model)
+        if bound.moving:
+            log.info("freed buffers kept for reuse: at most %s less the KV that admitted requests "
+                     "reserve (%s when idle)", format_bytes(max(bound.room, 0)), format_bytes(bound.idle_cap))
+        else:
+            log.info("freed buffers kept for reuse: at most %s", format_bytes(bound.idle_cap))
         return budget
 
     def stats(self) -> dict:
@@ -342,7 +344,7 @@ class Scheduler:
         reallocations = store.reallocations if store is not None else 0
         self._turns += 1
         self._admit()
-        if self._admissions and self._admissions[-1] == self._turns:
+        if self.buffer_cache.moving and self._admissions and self._admissions[-1] == self._turns:
             # Lower the buffer cache's cap to what the new reservations leave before
             # their prefill allocates (``_account`` sets it again after the turn).
             prefixes = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
