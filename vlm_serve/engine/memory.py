@@ -31,6 +31,8 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..mlx_runtime import cuda_available
+
 log = logging.getLogger("vlm_serve.engine")
 
 # With no --kv-cache-memory: this share of the device's memory, less the weights. The
@@ -197,8 +199,6 @@ def _moving_by_default() -> bool:
     setting = os.environ.get("VLM_SERVE_BUFFER_CACHE")
     if setting in ("moving", "fixed"):
         return setting == "moving"
-    from ..mlx_runtime import cuda_available
-
     return cuda_available()
 
 

@@ -267,10 +267,14 @@ class Scheduler:
         """What cached prefixes may hold now, beside the admitted requests."""
         return self.memory.limit - self._reserved(self._demand())
 
+    def _prefix_bytes(self) -> int:
+        """What the cached prefixes hold."""
+        return self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+
     def _make_room(self, need: int) -> bool:
         """Whether ``need`` bytes of reservations fit, evicting cached prefixes (least
         recently stored first) if that is what it takes."""
-        held = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+        held = self._prefix_bytes()
         if need + held <= self.memory.limit:
             return True
         if need > self.memory.limit:
@@ -282,7 +286,7 @@ class Scheduler:
         """Measure what is held now (the caches' own sizes) and what is reserved. Read
         by other threads through ``stats`` (plain numbers, set here)."""
         self.waiting_rows = sum(1 + len(s.copies) for s in [*self.waiting, *self.prefilling])
-        prefixes = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+        prefixes = self._prefix_bytes()
         prefills = sum(
             cache_bytes(s.prefill.cache) + cache_bytes(getattr(s.prefill, "short_cache", None))
             for s in self.prefilling if s.prefill is not None
@@ -344,11 +348,6 @@ class Scheduler:
         reallocations = store.reallocations if store is not None else 0
         self._turns += 1
         self._admit()
-        if self.buffer_cache.moving and self._admissions and self._admissions[-1] == self._turns:
-            # Lower the buffer cache's cap to what the new reservations leave before
-            # their prefill allocates (``_account`` sets it again after the turn).
-            prefixes = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
-            self.buffer_cache.busy(self._reserved(self._demand()) + prefixes, trim=False)
         budget, passes = self.config.prefill_token_budget, 0
         while self.prefilling and budget > 0 and not (passes == 0 and self._gathering_prompts()):
             budget -= self._prefill_step()
@@ -484,11 +483,12 @@ class Scheduler:
             return  # measuring the admitted requests' demand walks every one of them
         limit = self.config.max_num_seqs if self.family.batched else 1
         demand = self._demand()
+        admitted = False
         while self.waiting:
             state = self.waiting[0]
             rows = 1 + len(state.copies)
             if demand.rows + rows > limit:
-                return
+                break
             trial = replace(demand)
             self.memory.add(trial, state.request, rows=rows)
             group = [state, *state.copies]
@@ -506,7 +506,7 @@ class Scheduler:
                 if not state.waited_for_memory:
                     state.waited_for_memory = True
                     self.memory_waits += 1
-                return
+                break
             self.waiting.popleft()
             if state.request.sampling.grammar is not None:
                 try:
@@ -516,11 +516,15 @@ class Scheduler:
                     for member in group:
                         self._finish(member, FinishReason.ERROR, error=f"grammar failed: {exc}")
                     continue
-            demand = trial
+            demand, admitted = trial, True
             state.prefill = self._new_prefill(state)
             state.admitted_turn = self._turns
             self._admissions.append(self._turns)
             self.prefilling.append(state)
+        if admitted:
+            # The buffer cache's cap drops to what the new reservations leave before
+            # their prefill allocates (``_account`` sets it again after the turn).
+            self.buffer_cache.busy(self._reserved(demand) + self._prefix_bytes(), trim=False)
 
     # -- prefill ----------------------------------------------------------------------
 
